@@ -1,0 +1,37 @@
+"""Pallas kernels for drafter attention: query-scaled (top-k) attention and sparse KV gather.
+
+Each kernel has a jnp reference, a TPU (Mosaic) and a GPU (Triton) kernel, and a dispatcher that picks by
+`jax.default_backend()` and falls back to the reference on CPU (see docs/kernels.md).
+"""
+
+from pallas_kernels._common import BlockSizes, check_lowering, num_selected_chunks
+from pallas_kernels.query_scaled_attention import (
+    chunk_positions,
+    merge_attention_views,
+    query_scaled_attention,
+    reference_query_scaled_attention,
+    select_chunks,
+    sharpdraft_rho,
+)
+from pallas_kernels.sparse_kv_gather import (
+    gather_kv_chunks,
+    reference_gather_kv_chunks,
+    reference_sparse_chunk_attention,
+    sparse_chunk_attention,
+)
+
+__all__ = [
+    "BlockSizes",
+    "check_lowering",
+    "chunk_positions",
+    "gather_kv_chunks",
+    "merge_attention_views",
+    "num_selected_chunks",
+    "query_scaled_attention",
+    "reference_gather_kv_chunks",
+    "reference_query_scaled_attention",
+    "reference_sparse_chunk_attention",
+    "select_chunks",
+    "sharpdraft_rho",
+    "sparse_chunk_attention",
+]
