@@ -51,9 +51,9 @@ def run_attention(impl, q, k, v, lengths, *, mode, param, n0, sm_scale, chunk_id
   """
   if q.dtype != k.dtype or k.dtype != v.dtype:
     raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  tq, hkv = q.shape[1], k.shape[2]
+  b, tq, s, hkv = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
   if chunk_idx is None:
-    n_visible = jnp.broadcast_to(lengths[:, None], (k.shape[0], hkv))
+    n_visible = jnp.broadcast_to(lengths[:, None], (b, hkv))
   else:
     pos = chunk_positions(chunk_idx, chunk_size)
     n_visible = jnp.sum((pos >= 0) & (pos < lengths[:, None, None]), axis=-1)
@@ -61,12 +61,12 @@ def run_attention(impl, q, k, v, lengths, *, mode, param, n0, sm_scale, chunk_id
   if impl == "reference":
     scale = reference.head_scales(mode, param, n_visible, n0, sm_scale)
     if chunk_idx is None:
-      key_mask = jnp.broadcast_to((jnp.arange(k.shape[1]) < lengths[:, None])[:, None, :], n_visible.shape + k.shape[1:2])
+      key_mask = jnp.broadcast_to((jnp.arange(s) < lengths[:, None])[:, None, :], (b, hkv, s))
       return reference.masked_attention(q, k, v, key_mask, scale)
     return reference.chunk_attention(q, k, v, lengths, chunk_idx, chunk_size, scale)
   kernel = tpu if impl == "tpu" else gpu
   blocks = block_sizes or (TPU_BLOCK_SIZES if impl == "tpu" else GPU_BLOCK_SIZES)
-  param_rows = _common.to_rows(jnp.broadcast_to(param[:, None, :], (q.shape[0], tq, q.shape[2])), hkv)
+  param_rows = _common.to_rows(jnp.broadcast_to(param[:, None, :], (b, tq, q.shape[2])), hkv)
   out, lse = kernel.attention_rows(
       _common.to_rows(q, hkv), k, v, lengths, param_rows, n_visible, mode=mode, n0=n0, sm_scale=sm_scale,
       chunk_idx=chunk_idx, chunk_size=chunk_size, block_sizes=blocks, interpret=interpret)
