@@ -58,7 +58,8 @@ CASES = {
     "gqa2_dense_rho_given": (2, 3, 4, 2, 128, 96, [0, 50], {"rho": jnp.array([1.0, 1.5, 2.0, 1.25])}),
     "gqa4_topk_fixed_slope": (2, 2, 4, 1, 64, 128, [128, 1], {"top_k": 3, "chunk_size": 8, "window_chunks": 2,
                                                               "alpha": jnp.array([0.2, 0.4, 0.0, 0.8]), "n0": 16.0}),
-    "gqa2_topk_scores_rho": (2, 1, 4, 2, 64, 128, [100, 30], {"top_k": 3, "chunk_size": 16, "window_chunks": 1,
+    # 3 kv heads of 64 lanes: the TPU kernel's lane block is the whole 192-lane row.
+    "gqa2_topk_scores_rho": (2, 1, 6, 3, 64, 128, [100, 30], {"top_k": 3, "chunk_size": 16, "window_chunks": 1,
                                                               "rho": 1.7, "chunk_scores": "random"}),
 }
 

@@ -81,9 +81,10 @@ def _kernel(*refs, kv_heads, n_kv_refs, chunk, n_slots, mode, n0, sm_scale, dens
       base = (b * kv_heads + h) * n_slots + j * n_kv_refs
       for t in range(n_kv_refs):
         cid = idx_ref[base + t]
+        # Decide emptiness on the scalar; the vectors only see ints (position < 0 = empty slot).
+        start = jnp.where(cid >= 0, (cid - t) * chunk, -(1 << 30))
         in_t = (col >= t * chunk) & (col < (t + 1) * chunk)
-        pos = jnp.where(in_t & (cid >= 0), cid * chunk + col - t * chunk, pos)
-      valid = (pos >= 0) & (pos < n)
+        pos = jnp.where(in_t, start + col, pos)
       if n_kv_refs == 1:
         k, v = k_refs[0][...], v_refs[0][...]
       else:
@@ -92,7 +93,6 @@ def _kernel(*refs, kv_heads, n_kv_refs, chunk, n_slots, mode, n0, sm_scale, dens
         v = jnp.concatenate([r[...].astype(jnp.float32) for r in v_refs], axis=0).astype(v_refs[0].dtype)
     else:
       pos = j * dense_rows + lax.broadcasted_iota(jnp.int32, (1, dense_rows), 1)
-      valid = pos < n
       k, v = k_refs[0][...], v_refs[0][...]
 
     param = param_ref[...]  # [R, 1]
@@ -102,6 +102,8 @@ def _kernel(*refs, kv_heads, n_kv_refs, chunk, n_slots, mode, n0, sm_scale, dens
       n_vis = jnp.full(param.shape, jnp.maximum(nvis_ref[b * kv_heads + h], 1), jnp.int32).astype(jnp.float32)
       scale = sm_scale * jnp.maximum(1.0, 1.0 + param * jnp.log(n_vis / n0))
     s = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    pos = jnp.broadcast_to(pos, s.shape)  # compare at full tile shape rather than broadcasting a bool row
+    valid = (pos >= 0) & (pos < n)
     s = jnp.where(valid, s * scale, _common.MASK_VALUE)
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))

@@ -41,8 +41,12 @@ def _kernel(idx_ref, k_hbm, v_hbm, k_out, v_out, sems, *, kv_heads, n_sel, chunk
       c.start()
     return carry
 
+  def drain(i, carry):
+    wait(i)
+    return carry
+
   lax.fori_loop(0, n_sel, issue, 0)
-  lax.fori_loop(max(n_sel - depth, 0), n_sel, lambda i, c: (wait(i), c)[1], 0)
+  lax.fori_loop(max(n_sel - depth, 0), n_sel, drain, 0)
 
 
 def gather_chunks(k, v, chunk_idx, *, chunk_size: int, block_sizes=_common.TPU_BLOCK_SIZES, interpret=False):
