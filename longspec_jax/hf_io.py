@@ -1,0 +1,175 @@
+"""HF checkpoint directories (config.json + safetensors, single file or sharded index) <-> our NNX models."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax.config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _hf_name(path: tuple) -> tuple[str, bool]:
+  """Our parameter path -> (HF tensor name, whether the array is transposed between the two)."""
+  *parents, leaf = (str(p) for p in path)
+  transpose = leaf == "kernel"
+  name = ".".join(parents + ["weight" if leaf in ("kernel", "scale", "embedding") else leaf])
+  return (name if parents[0] == "lm_head" else "model." + name), transpose
+
+
+def _flat_params(model: nnx.Module) -> dict[tuple, jax.Array]:
+  flat = {}
+
+  def walk(prefix, node):
+    if isinstance(node, dict):
+      for k, v in node.items():
+        walk(prefix + (k,), v)
+    else:
+      flat[prefix] = node
+  walk((), nnx.state(model, nnx.Param).to_pure_dict())
+  return flat
+
+
+def to_hf_tensors(model: nnx.Module, dtype=np.float32) -> dict[str, np.ndarray]:
+  out = {}
+  for path, arr in _flat_params(model).items():
+    name, transpose = _hf_name(path)
+    a = np.asarray(jnp.asarray(arr, jnp.float32))
+    out[name] = np.ascontiguousarray(a.T if transpose else a).astype(dtype)
+  return out
+
+
+def _read_tensors(model_dir: Path) -> dict[str, jax.Array]:
+  from safetensors import SafetensorError, safe_open
+
+  index = model_dir / INDEX_FILE
+  if index.exists():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+      raise ValueError(f"corrupt sharded index {index}: {e}") from e
+    files = sorted(set(weight_map.values()))
+  elif (model_dir / SINGLE_FILE).exists():
+    files = [SINGLE_FILE]
+  else:
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+  tensors = {}
+  for f in files:
+    path = model_dir / f
+    if not path.exists():
+      raise FileNotFoundError(f"checkpoint shard {path} named in the index is missing")
+    try:
+      with safe_open(str(path), framework="flax") as fh:
+        for k in fh.keys():
+          tensors[k] = fh.get_tensor(k)
+    except (SafetensorError, OSError, ValueError) as e:
+      raise ValueError(f"corrupt safetensors file {path}: {e}") from e
+  return tensors
+
+
+def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: str = "") -> nnx.Module:
+  """Fills every nnx.Param of `model` from HF-named tensors; errors name missing / mis-shaped tensors."""
+  state = nnx.state(model, nnx.Param)
+  pure = state.to_pure_dict()
+  flat = _flat_params(model)
+  missing, bad_shape, used = [], [], set()
+  new_flat = {}
+  for path, arr in flat.items():
+    name, transpose = _hf_name(path)
+    if name not in tensors:
+      missing.append(name)
+      continue
+    t = jnp.asarray(tensors[name])
+    t = t.T if transpose else t
+    if t.shape != arr.shape:
+      bad_shape.append(f"{name}: checkpoint {tuple(t.shape)} vs model {tuple(arr.shape)}")
+      continue
+    new_flat[path] = t.astype(arr.dtype)
+    used.add(name)
+  if missing or bad_shape:
+    raise ValueError(f"checkpoint{where} does not match the model config: missing tensors {missing[:8]}"
+                     f"{' ...' if len(missing) > 8 else ''}; shape mismatches {bad_shape[:8]}")
+
+  def rebuild(prefix, node):
+    if isinstance(node, dict):
+      return {k: rebuild(prefix + (k,), v) for k, v in node.items()}
+    return new_flat[prefix]
+  state.replace_by_pure_dict(rebuild((), pure))
+  nnx.update(model, state)
+  return model
+
+
+def load_model_dir(model_dir: str | os.PathLike, *, dtype=jnp.float32, check_tokenizer: bool = True, **model_kw):
+  """Loads an HF Qwen3/Llama checkpoint directory into a `Transformer` (params in fp32)."""
+  from longspec_jax.model import Transformer
+
+  model_dir = Path(model_dir)
+  if not model_dir.is_dir():
+    raise FileNotFoundError(f"model directory {model_dir} does not exist")
+  cfg = ModelConfig.from_json_file(model_dir / "config.json")
+  tensors = _read_tensors(model_dir)
+  if cfg.tie_word_embeddings:
+    tensors.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, **model_kw))
+  graphdef, abstract = nnx.split(model)
+  concrete = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+  model = nnx.merge(graphdef, concrete)
+  load_params_into(model, tensors, where=f" {model_dir}")
+  if check_tokenizer and (model_dir / "tokenizer.json").exists():
+    from longspec_jax.tokenizer import check_tokenizer_matches, load_tokenizer
+    check_tokenizer_matches(load_tokenizer(model_dir), cfg.vocab_size, cfg.eos_token_id, f" in {model_dir}")
+  return model
+
+
+def save_model_dir(model, out_dir: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
+                   dtype=np.float32, max_shard_bytes: int | None = None) -> Path:
+  """Writes config.json + safetensors (sharded with an index when `max_shard_bytes` is set) + tokenizer files."""
+  from safetensors.numpy import save_file
+
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  cfg: ModelConfig = model.cfg
+  hf_cfg = cfg.to_hf_dict()
+  hf_cfg["torch_dtype"] = np.dtype(dtype).name if dtype != jnp.bfloat16 else "bfloat16"
+  tensors = to_hf_tensors(model, dtype)
+  if cfg.tie_word_embeddings:
+    tensors.pop("lm_head.weight", None)
+  (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+  meta = {"format": "pt"}
+  if max_shard_bytes is None:
+    save_file(tensors, str(out_dir / SINGLE_FILE), metadata=meta)
+  else:
+    shards, cur, size = [], {}, 0
+    for name in sorted(tensors):
+      if cur and size + tensors[name].nbytes > max_shard_bytes:
+        shards.append(cur)
+        cur, size = {}, 0
+      cur[name] = tensors[name]
+      size += tensors[name].nbytes
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(shard, str(out_dir / fname), metadata=meta)
+      weight_map.update({k: fname for k in shard})
+    total = sum(t.nbytes for t in tensors.values())
+    (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2))
+  gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+  (out_dir / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}))
+  if tokenizer_dir is not None:
+    for f in TOKENIZER_FILES:
+      src = Path(tokenizer_dir) / f
+      if src.exists() and src.resolve() != (out_dir / f).resolve():
+        shutil.copy(src, out_dir / f)
+  return out_dir

@@ -1,0 +1,236 @@
+"""Qwen3 / Llama decoder in Flax NNX with a static KV cache and hidden-state taps.
+
+`Transformer.__call__` has three static modes:
+  * "train":   causal over the T given tokens, no cache (blockwise attention, optional per-layer remat);
+  * "prefill": the cache is empty; T tokens are written at offset 0 for every sequence (blockwise attention);
+  * "extend":  T new tokens per sequence are written at that sequence's own offset (cache.lengths) and attend
+               to the whole cache (decode: T=1, verification: T=K+1).
+The cache's `lengths` are not advanced here: the caller commits as many rows as it accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longspec_jax.attention import cached_attention, causal_attention
+from longspec_jax.config import ModelConfig
+from longspec_jax.kv_cache import KVCache, write_rows
+from longspec_jax.rope import apply_rope, rope_frequencies
+
+MODES = ("train", "prefill", "extend")
+
+
+def _param(rngs, shape, axes, init=None, dtype=jnp.float32):
+  init = init or nnx.initializers.normal(0.02)
+  return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+class Linear(nnx.Module):
+  def __init__(self, din, dout, axes, *, bias=False, rngs, std=0.02):
+    self.kernel = _param(rngs, (din, dout), axes, nnx.initializers.normal(std))
+    self.bias = nnx.Param(jnp.zeros((dout,)), logical_axes=(axes[1],)) if bias else None
+
+  def __call__(self, x):
+    y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
+    return y + self.bias[...].astype(x.dtype) if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim, eps, *, rngs, axis="norm"):
+    del rngs
+    self.scale = nnx.Param(jnp.ones((dim,)), logical_axes=(axis,))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (self.scale[...] * y).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    hd, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    out_std = 0.02 / (2 * cfg.num_hidden_layers) ** 0.5
+    self.q_proj = Linear(cfg.hidden_size, hq * hd, ("embed", "q_heads"), bias=cfg.attention_bias, rngs=rngs)
+    self.k_proj = Linear(cfg.hidden_size, hkv * hd, ("embed", "kv_heads"), bias=cfg.attention_bias, rngs=rngs)
+    self.v_proj = Linear(cfg.hidden_size, hkv * hd, ("embed", "kv_heads"), bias=cfg.attention_bias, rngs=rngs)
+    self.o_proj = Linear(hq * hd, cfg.hidden_size, ("q_heads", "embed"), bias=cfg.attention_bias, rngs=rngs,
+                         std=out_std)
+    if cfg.family == "qwen3":
+      self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs, axis="head_dim")
+      self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs, axis="head_dim")
+    else:
+      self.q_norm = self.k_norm = None
+    self.cfg = cfg
+
+  def qkv(self, x, positions, rope):
+    cfg = self.cfg
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq, scaling = rope
+    return apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling), v
+
+  def out(self, o):
+    b, t = o.shape[:2]
+    return self.o_proj(o.reshape(b, t, -1))
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = Linear(h, f, ("embed", "mlp"), bias=cfg.mlp_bias, rngs=rngs)
+    self.up_proj = Linear(h, f, ("embed", "mlp"), bias=cfg.mlp_bias, rngs=rngs)
+    self.down_proj = Linear(f, h, ("mlp", "embed"), bias=cfg.mlp_bias, rngs=rngs,
+                            std=0.02 / (2 * cfg.num_hidden_layers) ** 0.5)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+    self.self_attn = Attention(cfg, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, positions, rope, cache_kv, offsets, mode: str, attn_block: int):
+    q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
+    if mode == "train":
+      o = causal_attention(q, k, v, block=attn_block)
+    elif mode == "prefill":
+      ck, cv = cache_kv
+      ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), 0, axis=1)
+      cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), 0, axis=1)
+      cache_kv = (ck, cv)
+      o = causal_attention(q, k, v, block=attn_block)
+    else:
+      ck, cv = cache_kv
+      ck, cv = write_rows(ck, k, offsets), write_rows(cv, v, offsets)
+      cache_kv = (ck, cv)
+      o = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions)
+    x = x + self.self_attn.out(o)
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return x, cache_kv, (k, v)
+
+
+@flax.struct.dataclass
+class ForwardOutput:
+  logits: jax.Array | None  # [B, T or P, V] fp32
+  cache: KVCache | None
+  taps: jax.Array | None  # [B, T, n_taps, H]: residual stream at the requested indices (i = input of layer i)
+  new_kv: tuple | None  # (k, v) each [L, B, T, Hkv, D]: the rows this pass wrote
+  hidden: jax.Array | None  # [B, T, H] final normed hidden state
+
+
+class Transformer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False,
+               attn_block: int = 512):
+    self.cfg = cfg
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs,
+                                  embedding_init=nnx.initializers.normal(0.02))
+    self.embed_tokens.embedding = nnx.Param(self.embed_tokens.embedding[...], logical_axes=("vocab", "embed"))
+    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+    self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size,
+                                                                ("embed", "vocab"), rngs=rngs)
+    self.dtype = dtype
+    self.remat = remat
+    self.attn_block = attn_block
+
+  def embed(self, tokens):
+    return self.embed_tokens.embedding[...][tokens].astype(self.dtype)
+
+  def logits_from_hidden(self, h):
+    """Final-normed hidden [.., H] -> fp32 logits via the (possibly tied) LM head."""
+    if self.lm_head is None:
+      w = self.embed_tokens.embedding[...]
+      return jnp.einsum("...h,vh->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return self.lm_head(h).astype(jnp.float32)
+
+  def __call__(self, tokens, *, cache: KVCache | None = None, positions=None, mode: str = "train",
+               taps: Sequence[int] = (), return_kv: bool = False, logits_at=None, return_logits: bool = True):
+    """tokens [B, T]. `logits_at` [B, P] (indices into T) limits the LM head to those rows."""
+    if mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode != "train" and cache is None:
+      raise ValueError(f"mode {mode!r} needs a KV cache")
+    cfg = self.cfg
+    b, t = tokens.shape
+    if positions is None:
+      start = cache.lengths if mode == "extend" else jnp.zeros((b,), jnp.int32)
+      positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    offsets = positions[:, 0]
+    rope = rope_frequencies(cfg, jnp.max(positions))
+    taps = tuple(taps)
+    for i in taps:
+      if not 0 <= i <= cfg.num_hidden_layers:
+        raise ValueError(f"tap index {i} outside [0, {cfg.num_hidden_layers}]")
+
+    x = self.embed(tokens)
+    tapped = {}
+    new_k, new_v, cache_k, cache_v = [], [], [], []
+    for li, layer in enumerate(self.layers):
+      if li in taps:
+        tapped[li] = x
+      kv = (cache.k[li], cache.v[li]) if cache is not None else None
+      if self.remat and mode == "train":
+        fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, None, "train", self.attn_block)[0])
+        x = fn(layer, x, positions)
+      else:
+        x, kv, (k, v) = layer(x, positions, rope, kv, offsets, mode, self.attn_block)
+        if return_kv:
+          new_k.append(k)
+          new_v.append(v)
+        if cache is not None:
+          cache_k.append(kv[0])
+          cache_v.append(kv[1])
+    if cfg.num_hidden_layers in taps:
+      tapped[cfg.num_hidden_layers] = x
+    h = self.norm(x)
+    if logits_at is not None:
+      h_sel = jnp.take_along_axis(h, logits_at[..., None], axis=1)
+    else:
+      h_sel = h
+    logits = self.logits_from_hidden(h_sel) if return_logits else None
+    new_cache = cache.replace(k=jnp.stack(cache_k), v=jnp.stack(cache_v)) if cache is not None else None
+    return ForwardOutput(
+        logits=logits, cache=new_cache,
+        taps=jnp.stack([tapped[i] for i in taps], axis=2) if taps else None,
+        new_kv=(jnp.stack(new_k), jnp.stack(new_v)) if return_kv else None,
+        hidden=h)
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    cfg = self.cfg
+    return KVCache.zeros(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                         dtype or self.dtype)
+
+
+def param_count(model: nnx.Module) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def create_model(cfg: ModelConfig, seed: int = 0, **kw) -> Transformer:
+  return Transformer(cfg, rngs=nnx.Rngs(seed), **kw)
+
+
+def default_target_config(vocab_size: int = 8192, **overrides) -> ModelConfig:
+  """The shipped default target: 8-layer d256 Qwen3-style model (~9M parameters, tied embeddings)."""
+  from longspec_jax.config import RopeConfig
+  base = dict(family="qwen3", vocab_size=vocab_size, hidden_size=256, intermediate_size=768,
+              num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+              max_position_embeddings=32768, rope=RopeConfig(theta=100000.0), rms_norm_eps=1e-6,
+              tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=1, mask_token_id=2)
+  base.update(overrides)
+  return ModelConfig(**base)
+
+

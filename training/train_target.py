@@ -1,0 +1,143 @@
+"""`longspec train-target`: trains the default target on the corpus with a sequence-length curriculum."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax import sharding as shd
+from longspec_jax.model import create_model, default_target_config
+from longspec_jax.tokenizer import load_tokenizer, special_token_ids
+from training.data import TokenStream, load_corpus, tokenize_split
+from training.losses import cross_entropy
+from training.trainer import (Checkpointer, OptimConfig, Stage, TrainState, init_train_state, make_optimizer,
+                              make_train_step, stage_at, train_loop)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetTrainConfig:
+  corpus_dir: str = "data/corpus"
+  tokenizer_dir: str = "data/tokenizer"
+  out_dir: str = "runs/target"
+  model: dict = dataclasses.field(default_factory=dict)  # overrides of default_target_config()
+  stages: tuple[Stage, ...] = (Stage(1024, 8, 100),)
+  optim: OptimConfig = OptimConfig()
+  seed: int = 0
+  compute_dtype: str = "float32"
+  remat_min_len: int = 4096  # per-layer remat from this length on
+  attn_block: int = 512
+  checkpoint_every_minutes: float = 5.0
+  log_every: int = 10
+  mesh_data: int = 0  # 0 = all devices
+  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
+
+  @property
+  def total_steps(self) -> int:
+    return sum(s.steps for s in self.stages)
+
+
+def token_stream(cfg: TargetTrainConfig, split: str = "train") -> TokenStream:
+  """Tokenized split, cached as .npy beside the run (tokenizing 28M chars takes a while on 2 cores)."""
+  cache = Path(cfg.out_dir) / f"tokens_{split}.npy"
+  if cache.exists():
+    return TokenStream(np.load(cache), seed=cfg.seed)
+  tok = load_tokenizer(cfg.tokenizer_dir)
+  ids = tokenize_split(tok, load_corpus(cfg.corpus_dir)[split]["text"], special_token_ids(tok)["eos"])
+  cache.parent.mkdir(parents=True, exist_ok=True)
+  np.save(cache, ids)
+  return TokenStream(ids, seed=cfg.seed)
+
+
+def build(cfg: TargetTrainConfig, vocab_size: int):
+  model_cfg = default_target_config(vocab_size=vocab_size, **cfg.model)
+  dtype = jnp.dtype(cfg.compute_dtype)
+  # Two graph variants of one parameter set: remat only pays off at long lengths.
+  models = {remat: create_model(model_cfg, seed=cfg.seed, dtype=dtype, remat=remat, attn_block=cfg.attn_block)
+            for remat in (False, True)}
+  return model_cfg, models
+
+
+def train_target(cfg: TargetTrainConfig, resume: bool = True) -> Path:
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  tok = load_tokenizer(cfg.tokenizer_dir)
+  stream = token_stream(cfg)
+  model_cfg, models = build(cfg, tok.get_vocab_size())
+  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+  (out / "model_config.json").write_text(json.dumps(model_cfg.to_hf_dict(), indent=2))
+
+  mesh = shd.make_mesh(cfg.mesh_data or None)
+  graphdefs = {r: nnx.split(m)[0] for r, m in models.items()}
+  params = nnx.split(models[False])[1]
+  optimizer = make_optimizer(cfg.optim, cfg.total_steps)
+  with jax.set_mesh(mesh):
+    state = init_train_state(params, optimizer, mesh)
+  ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint_every_minutes)
+  if resume and ckpt.latest_step() is not None:
+    state = ckpt.restore(state)
+    print(f"resumed from step {int(state.step)}")
+
+  def make_loss(graphdef):
+    def loss_fn(p, batch):
+      model = nnx.merge(graphdef, p)
+      tokens = batch["tokens"]
+      logits = model(tokens[:, :-1], mode="train").logits
+      loss, _ = cross_entropy(logits, tokens[:, 1:])
+      return loss, {}
+    return loss_fn
+
+  steps = {r: make_train_step(make_loss(g), optimizer) for r, g in graphdefs.items()}
+  data_sharding = shd.batch_sharding(mesh)
+
+  def batch_fn(step):
+    st = stage_at(cfg.stages, step)
+    return {"tokens": jax.device_put(stream.batch(step, st.batch_size, st.seq_len), data_sharding)}
+
+  def step_fn(state, batch):
+    remat = batch["tokens"].shape[1] - 1 >= cfg.remat_min_len
+    return steps[remat](state, batch)
+
+  end = min(cfg.total_steps, cfg.stop_after_steps or cfg.total_steps)
+  with jax.set_mesh(mesh):
+    state = train_loop(state, step_fn, batch_fn, end, ckpt, out / "train_log.jsonl",
+                       log_every=cfg.log_every,
+                       tokens_fn=lambda s: stage_at(cfg.stages, s).seq_len * stage_at(cfg.stages, s).batch_size,
+                       desc="train-target")
+  ckpt.close()
+  if end < cfg.total_steps:
+    print(f"stopped after step {end} of {cfg.total_steps}; rerun the same command to continue")
+    return out / "checkpoints"
+  return export_final(nnx.merge(graphdefs[False], state.params), cfg, stream)
+
+
+def export_final(model, cfg: TargetTrainConfig, stream: TokenStream) -> Path:
+  """HF directory with the tokenizer and the training split's unigram log-probs (the eval baseline, and the
+  prior DeLS-Spec subtracts)."""
+  from inference.eval_target import unigram_log_probs
+  from longspec_jax.hf_io import save_model_dir
+  final = save_model_dir(model, Path(cfg.out_dir) / "final", tokenizer_dir=cfg.tokenizer_dir,
+                         dtype=jnp.bfloat16)
+  np.save(final / "unigram.npy", unigram_log_probs([stream.tokens], model.cfg.vocab_size))
+  return final
+
+
+def load_params_from_checkpoint(cfg: TargetTrainConfig, step: int | None = None):
+  """Loads (model) from an orbax run directory, for export mid-training."""
+  tok = load_tokenizer(cfg.tokenizer_dir)
+  model_cfg, models = build(cfg, tok.get_vocab_size())
+  graphdef, params = nnx.split(models[False])
+  optimizer = make_optimizer(cfg.optim, cfg.total_steps)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+  ckpt = Checkpointer(Path(cfg.out_dir) / "checkpoints")
+  state = ckpt.restore(state, step)
+  ckpt.close()
+  return nnx.merge(graphdef, state.params), int(state.step)
+
+

@@ -1,0 +1,155 @@
+"""The sharded trainer shared by the target and the drafters: Optax, a `jax.sharding` mesh (data-parallel batch,
+logical-axis rules for parameters), orbax checkpoints on a wall-clock interval with exact resume, a progress bar
+and a JSONL loss log.
+
+Exact resume holds because a step's batch is a pure function of (seed, step) and the train state (params,
+optimizer state, step) is restored bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm.auto import tqdm
+
+from longspec_jax import sharding as shd
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One curriculum stage: `steps` optimizer steps on `batch_size` windows of `seq_len` tokens."""
+  seq_len: int
+  batch_size: int
+  steps: int
+
+  def __post_init__(self):
+    if min(self.seq_len, self.batch_size, self.steps) <= 0:
+      raise ValueError(f"stage fields must be positive: {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  lr: float = 3e-3
+  warmup_steps: int = 100
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  clip_norm: float = 1.0
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+  warmup = min(cfg.warmup_steps, max(total_steps - 1, 1))
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, cfg.lr, warmup, max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+  # No weight decay on norms and biases (1-D parameters).
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.clip_norm),
+      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: nnx.State
+  opt_state: optax.OptState
+
+
+def stage_at(stages: tuple[Stage, ...], step: int) -> Stage:
+  for s in stages:
+    if step < s.steps:
+      return s
+    step -= s.steps
+  return stages[-1]
+
+
+class Checkpointer:
+  """Orbax CheckpointManager saving at most every `every_minutes` (and on demand), keeping the last two."""
+
+  def __init__(self, directory: str | Path, every_minutes: float = 5.0):
+    self.directory = Path(directory).absolute()
+    self.every_s = every_minutes * 60
+    self.last_save = time.monotonic()
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def maybe_save(self, step: int, state, force: bool = False) -> bool:
+    if not force and time.monotonic() - self.last_save < self.every_s:
+      return False
+    self.manager.save(step, args=ocp.args.StandardSave(state), force=True)
+    self.manager.wait_until_finished()
+    self.last_save = time.monotonic()
+    return True
+
+  def restore(self, abstract_state, step: int | None = None):
+    step = self.latest_step() if step is None else step
+    return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+  def close(self):
+    self.manager.close()
+
+
+def init_train_state(params: nnx.State, optimizer, mesh, rules=shd.DATA_PARALLEL_RULES) -> TrainState:
+  p_shard = shd.param_shardings(params, mesh, rules)
+  params = jax.device_put(params, p_shard)
+  opt_state = jax.jit(optimizer.init)(params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def make_train_step(loss_fn: Callable, optimizer):
+  """loss_fn(params, batch) -> (loss, metrics dict). Returns a jitted (state, batch) -> (state, metrics)."""
+
+  @jax.jit
+  def train_step(state: TrainState, batch):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return train_step
+
+
+def train_loop(state: TrainState, train_step, batch_fn: Callable[[int], dict], total_steps: int,
+               checkpointer: Checkpointer, log_path: str | Path, *, log_every: int = 10,
+               tokens_fn: Callable[[int], int] = lambda step: 0, desc: str = "train") -> TrainState:
+  """Runs steps [state.step, total_steps), checkpointing on the clock and at the end. Safe to kill: a rerun
+  resumes from the last checkpoint and replays the same batches."""
+  log_path = Path(log_path)
+  log_path.parent.mkdir(parents=True, exist_ok=True)
+  start = int(state.step)
+  t0 = time.time()
+  tokens_seen = sum(tokens_fn(s) for s in range(start))
+  bar = tqdm(total=total_steps, initial=start, desc=desc, dynamic_ncols=True)
+  with open(log_path, "a") as log:
+    for step in range(start, total_steps):
+      batch = batch_fn(step)
+      state, metrics = train_step(state, batch)
+      tokens_seen += tokens_fn(step)
+      if (step + 1) % log_every == 0 or step + 1 == total_steps:
+        m = {k: float(v) for k, v in metrics.items()}
+        rec = {"step": step + 1, "tokens": tokens_seen, "elapsed_s": round(time.time() - t0, 1), **m}
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        bar.set_postfix(loss=f"{m['loss']:.3f}")
+      bar.update(1)
+      if checkpointer.maybe_save(step + 1, state):
+        bar.write(f"checkpoint saved at step {step + 1}")
+  bar.close()
+  checkpointer.maybe_save(int(state.step), state, force=True)
+  return state
