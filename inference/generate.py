@@ -139,6 +139,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, 
   sp = SamplingParams.make(temperature, top_k, top_p)
   if drafter is not None:
     from inference.speculative import speculative_generate
+    from longspec_jax.drafters.base import LoadedDrafter
+    if not isinstance(drafter, LoadedDrafter):
+      drafter = LoadedDrafter(drafter)
     return speculative_generate(model, drafter, prompts, max_new_tokens, sp, seed, eos, num_draft_tokens)
   t_bucket, max_len = cache_len_for(max(map(len, prompts)), max_new_tokens)
   if max(map(len, prompts)) + max_new_tokens > cfg.max_position_embeddings:

@@ -1,0 +1,80 @@
+"""The drafter protocol every method implements, and the records the engine passes to it.
+
+A drafter is a hashable, static object (its config and graph); its parameters travel separately as a pytree, and
+its per-sequence state is an explicit fixed-shape pytree carried through the engine's `lax.while_loop`:
+
+  state = drafter.init_state(params, prefill)                      # after the target's prefill
+  tokens, probs, state = drafter.propose(params, state, ctx, key)  # K drafts (+ [B, K, V] probs when sampling)
+  state = drafter.update(params, state, verify)                    # after the target verified them
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from longspec_jax.sampling import SamplingParams
+
+
+@flax.struct.dataclass
+class PrefillResult:
+  prompt_tokens: jax.Array  # [B, T] right-padded prompts as the target prefilled them
+  tokens: jax.Array  # [B, S_max] token buffer; prompt b occupies [0, prompt_lens[b]) and tokens[b, len] = pending
+  prompt_lens: jax.Array  # [B]
+  taps: jax.Array | None  # [B, T, n_taps, H] target residual stream at the drafter's requested taps
+  new_kv: tuple | None  # target (k, v) rows written by prefill, [L, B, T, Hkv, D] each
+  target_cache: Any  # the target KVCache after prefill (lengths = prompt_lens)
+
+
+@flax.struct.dataclass
+class ProposeContext:
+  tokens: jax.Array  # [B, S_max] committed tokens
+  num_tokens: jax.Array  # [B] committed tokens; tokens[b, num_tokens[b]-1] is the newest (not yet in target KV)
+  sampling: SamplingParams
+
+
+@flax.struct.dataclass
+class VerifyResult:
+  start: jax.Array  # [B] position of the first verified row (= target cache length before the pass)
+  num_accepted: jax.Array  # [B] drafts accepted (0..K)
+  committed: jax.Array  # [B, K+1] accepted drafts then the target's bonus/correction token, junk after
+  num_committed: jax.Array  # [B] = num_accepted + 1 (0 for sequences already done)
+  taps: jax.Array | None  # [B, K+1, n_taps, H] target residual stream at the verified rows
+  new_kv: tuple | None  # target (k, v) for the verified rows, [L, B, K+1, Hkv, D] each
+  target_cache: Any  # the target KVCache after the pass (lengths already advanced)
+  tokens: jax.Array  # [B, S_max] token buffer after the commit
+  num_tokens: jax.Array  # [B] committed tokens after the commit
+
+
+class Drafter(Protocol):
+  name: str
+  taps: tuple[int, ...]  # target residual-stream indices the drafter reads (() = none)
+  needs_target_kv: bool  # whether verify/prefill results must carry the target's written K/V
+  vocab_size: int
+
+  def init_state(self, params, prefill: PrefillResult, max_len: int) -> Any: ...
+
+  def propose(self, params, state, ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, Any]: ...
+
+  def update(self, params, state, verify: VerifyResult) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedDrafter:
+  """A drafter's static spec (hashable; a jit static argument) with its parameter pytree (traced)."""
+  spec: Drafter
+  params: Any = None
+
+
+def state_nbytes(state) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))
+
+
+def one_hot_probs(tokens, vocab_size: int):
+  """Deterministic drafters sample from a point mass: q = one-hot."""
+  return jax.nn.one_hot(tokens, vocab_size, dtype=jnp.float32)

@@ -1,0 +1,52 @@
+"""Prompt lookup (n-gram) drafting: find the latest earlier occurrence of the sequence's last n tokens and propose
+the tokens that followed it. Static shapes: every candidate position is scored at once over the token buffer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from longspec_jax.drafters.base import one_hot_probs
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookupDrafter:
+  vocab_size: int
+  max_ngram: int = 3
+  min_ngram: int = 1
+  name: str = "prompt-lookup"
+  taps: tuple = ()
+  needs_target_kv: bool = False
+
+  def __post_init__(self):
+    if not 1 <= self.min_ngram <= self.max_ngram:
+      raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+  def init_state(self, params, prefill, max_len):
+    return ()  # stateless: the token buffer is all it reads
+
+  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+    tokens, n_tok = ctx.tokens, ctx.num_tokens
+    b, s_max = tokens.shape
+    j = jnp.arange(s_max)[None, :]  # candidate end position of an earlier n-gram occurrence
+    best = jnp.full((b,), -1, jnp.int32)
+    for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest n-gram wins
+      match = (j >= n - 1) & (j < n_tok[:, None] - 1)  # strictly before the suffix itself
+      for i in range(n):
+        suffix_tok = jnp.take_along_axis(tokens, jnp.maximum(n_tok - 1 - i, 0)[:, None], axis=1)
+        match &= jnp.roll(tokens, i, axis=1) == suffix_tok
+      match &= (n_tok[:, None] >= n)
+      latest = jnp.max(jnp.where(match, j, -1), axis=1)
+      best = jnp.where(best >= 0, best, latest)
+    # Continue after the match; tokens at or past the sequence end repeat the last token (cheap rejections).
+    idx = best[:, None] + 1 + jnp.arange(num_draft)[None, :]
+    last = jnp.take_along_axis(tokens, (n_tok - 1)[:, None], axis=1)
+    cand = jnp.take_along_axis(tokens, jnp.clip(idx, 0, s_max - 1), axis=1)
+    drafts = jnp.where((best[:, None] >= 0) & (idx < n_tok[:, None]), cand, last).astype(jnp.int32)
+    probs = one_hot_probs(drafts, self.vocab_size) if sample else None
+    return drafts, probs, state
+
+  def update(self, params, state, verify):
+    return state
