@@ -129,6 +129,34 @@ def cmd_eval_target(a) -> int:
   return 0
 
 
+def cmd_bench(a) -> int:
+  from inference.bench import bench_prompts, run_bench, transformers_peers
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, method_names
+  from longspec_jax.hf_io import load_model_dir
+  from longspec_jax.tokenizer import load_tokenizer
+
+  if a.method not in method_names():
+    raise SystemExit(f"error: unknown method {a.method!r}; known methods: {', '.join(method_names())}")
+  path = Path(a.text_file)
+  if not path.exists():
+    raise SystemExit(f"error: text file {path} not found")
+  model_dir = _model_dir(a.model)
+  model = load_model_dir(model_dir)
+  tok = load_tokenizer(model_dir)
+  text = path.read_text()
+  res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
+                  a.num_draft, a.drafter, a.repeats)
+  if a.peer == "transformers":
+    drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
+    prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
+    res["peer_tokens_per_s"] = transformers_peers(model_dir, drafter_dir if drafter_dir.exists() else None,
+                                                  prompts, a.new_tokens, a.num_draft)
+  res["text_file"] = str(path)
+  print(json.dumps(res, indent=2))
+  _write_json(a.json, res)
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="longspec", description=__doc__)
   sub = p.add_subparsers(dest="command", required=True)
@@ -174,6 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("--max-len", type=int, default=16384)
   ev.add_argument("--json")
   ev.set_defaults(fn=cmd_eval_target)
+  bn = sub.add_parser("bench", help="a speculative method vs jitted AR in the same process")
+  bn.add_argument("--method", required=True, help="ar, prompt-lookup, standalone, pard, ...")
+  bn.add_argument("--text-file", required=True)
+  bn.add_argument("--context", type=int, required=True, help="prompt = first N tokens of the file")
+  bn.add_argument("--new-tokens", type=int, default=128)
+  bn.add_argument("--temperature", type=float, default=0.0)
+  bn.add_argument("--seed", type=int, default=0)
+  bn.add_argument("--batch", type=int, default=1)
+  bn.add_argument("--num-draft", type=int, default=8, help="K drafted tokens per verification")
+  bn.add_argument("--model")
+  bn.add_argument("--drafter", help="drafter directory (default: the shipped one for the method)")
+  bn.add_argument("--repeats", type=int, default=3)
+  bn.add_argument("--peer", choices=["transformers"])
+  bn.add_argument("--json")
+  bn.set_defaults(fn=cmd_bench)
   return p
 
 

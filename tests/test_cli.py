@@ -1,0 +1,73 @@
+"""The `longspec` CLI on a tiny model directory made here (flags and JSON keys are a contract)."""
+
+import json
+
+import pytest
+
+from inference.cli import main
+from longspec_jax.config import ModelConfig, RopeConfig
+from longspec_jax.hf_io import save_model_dir
+from longspec_jax.model import create_model
+from longspec_jax.tokenizer import save_hf_tokenizer, train_bpe
+
+TEXT = "".join(f"def function_{i}(x, y):\n    return x * {i} + y - {i % 7}\n\n" for i in range(400))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("model")
+  tok = train_bpe([TEXT], vocab_size=320)
+  cfg = ModelConfig(family="qwen3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+                    rope=RopeConfig(), bos_token_id=0, eos_token_id=0, pad_token_id=1, mask_token_id=2)
+  save_model_dir(create_model(cfg, seed=0), d)
+  save_hf_tokenizer(tok, d)
+  (d.parent / "text.txt").write_text(TEXT)
+  return d
+
+
+def test_generate_json_contract(model_dir, tmp_path, capsys):
+  out = tmp_path / "g.json"
+  assert main(["generate", "--model", str(model_dir), "--prompt", "def function_3(x, y):", "--max-new-tokens",
+               "12", "--stats", "--json", str(out)]) == 0
+  res = json.loads(out.read_text())
+  for key in ("prompt_tokens", "output_tokens", "text", "prefill_ms", "decode_tokens_per_s"):
+    assert key in res
+  assert len(res["output_tokens"]) == 12 and res["prefill_ms"] > 0 and res["decode_tokens_per_s"] > 0
+  assert res["text"] in capsys.readouterr().out
+
+
+def test_generate_errors(model_dir, capsys):
+  with pytest.raises(SystemExit, match="empty"):
+    main(["generate", "--model", str(model_dir), "--prompt", ""])
+  with pytest.raises(SystemExit, match="exactly one"):
+    main(["generate", "--model", str(model_dir)])
+  assert main(["generate", "--model", str(model_dir / "missing"), "--prompt", "x"]) == 2
+  assert "does not exist" in capsys.readouterr().err
+
+
+def test_export_and_eval(model_dir, tmp_path):
+  assert main(["export-hf", "--model", str(model_dir), "--out", str(tmp_path / "exp")]) == 0
+  assert (tmp_path / "exp" / "config.json").exists() and (tmp_path / "exp" / "tokenizer.json").exists()
+  out = tmp_path / "e.json"
+  assert main(["eval-target", "--model", str(model_dir), "--text-file", str(model_dir.parent / "text.txt"),
+               "--max-len", "2048", "--json", str(out)]) == 0
+  res = json.loads(out.read_text())
+  assert set(["0-1K", "1-2K", "2-4K", "4-8K", "8-16K", "unigram"]) <= set(res)
+  assert res["0-1K"] > 0 and res["1-2K"] > 0 and res["2-4K"] is None  # text cut at 2048 tokens
+
+
+def test_bench_json_contract(model_dir, tmp_path):
+  out = tmp_path / "b.json"
+  assert main(["bench", "--method", "prompt-lookup", "--text-file", str(model_dir.parent / "text.txt"),
+               "--context", "200", "--new-tokens", "16", "--model", str(model_dir), "--repeats", "1",
+               "--num-draft", "4", "--json", str(out)]) == 0
+  res = json.loads(out.read_text())
+  for key in ("method", "context", "new_tokens", "batch", "temperature", "tau", "accept_per_position",
+              "target_forwards", "tokens_per_s", "ar_tokens_per_s", "speedup", "draft_ms_per_step",
+              "verify_ms_per_step", "drafter_state_bytes", "peak_rss_bytes", "exact_match_ar"):
+    assert key in res, key
+  assert res["exact_match_ar"] is True and res["tau"] >= 1 and len(res["accept_per_position"]) == 4
+  with pytest.raises(SystemExit, match="unknown method"):
+    main(["bench", "--method", "nope", "--text-file", str(model_dir.parent / "text.txt"), "--context", "10",
+          "--model", str(model_dir)])
