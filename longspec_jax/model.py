@@ -19,7 +19,7 @@ from flax import nnx
 
 from longspec_jax.attention import cached_attention, causal_attention
 from longspec_jax.config import ModelConfig
-from longspec_jax.kv_cache import KVCache, write_rows
+from longspec_jax.kv_cache import KVCache
 from longspec_jax.rope import apply_rope, rope_frequencies
 
 MODES = ("train", "prefill", "extend")
@@ -103,21 +103,25 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, rope, cache_kv, offsets, mode: str, attn_block: int):
+  def __call__(self, x, positions, rope, cache_kv, layer: int, mode: str, attn_block: int):
+    """cache_kv: the whole stacked (k, v) [L, B, S, Hkv, D]; this layer writes its rows in place."""
     q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
     if mode == "train":
       o = causal_attention(q, k, v, block=attn_block)
     elif mode == "prefill":
       ck, cv = cache_kv
-      ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), 0, axis=1)
-      cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), 0, axis=1)
+      ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (layer, 0, 0, 0, 0))
+      cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (layer, 0, 0, 0, 0))
       cache_kv = (ck, cv)
       o = causal_attention(q, k, v, block=attn_block)
     else:
       ck, cv = cache_kv
-      ck, cv = write_rows(ck, k, offsets), write_rows(cv, v, offsets)
+      rows = jnp.arange(x.shape[0])[:, None]
+      # Scatter only the T new rows (each sequence at its own positions); out-of-range rows are dropped.
+      ck = ck.at[layer, rows, positions].set(k.astype(ck.dtype), mode="drop")
+      cv = cv.at[layer, rows, positions].set(v.astype(cv.dtype), mode="drop")
       cache_kv = (ck, cv)
-      o = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions)
+      o = cached_attention(q, ck[layer].astype(q.dtype), cv[layer].astype(q.dtype), positions)
     x = x + self.self_attn.out(o)
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, cache_kv, (k, v)
@@ -169,7 +173,6 @@ class Transformer(nnx.Module):
     if positions is None:
       start = cache.lengths if mode == "extend" else jnp.zeros((b,), jnp.int32)
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    offsets = positions[:, 0]
     rope = rope_frequencies(cfg, jnp.max(positions))
     taps = tuple(taps)
     for i in taps:
@@ -178,22 +181,19 @@ class Transformer(nnx.Module):
 
     x = self.embed(tokens)
     tapped = {}
-    new_k, new_v, cache_k, cache_v = [], [], [], []
+    new_k, new_v = [], []
+    kv = (cache.k, cache.v) if cache is not None else None
     for li, layer in enumerate(self.layers):
       if li in taps:
         tapped[li] = x
-      kv = (cache.k[li], cache.v[li]) if cache is not None else None
       if self.remat and mode == "train":
-        fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, None, "train", self.attn_block)[0])
+        fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, 0, "train", self.attn_block)[0])
         x = fn(layer, x, positions)
       else:
-        x, kv, (k, v) = layer(x, positions, rope, kv, offsets, mode, self.attn_block)
+        x, kv, (k, v) = layer(x, positions, rope, kv, li, mode, self.attn_block)
         if return_kv:
           new_k.append(k)
           new_v.append(v)
-        if cache is not None:
-          cache_k.append(kv[0])
-          cache_v.append(kv[1])
     if cfg.num_hidden_layers in taps:
       tapped[cfg.num_hidden_layers] = x
     h = self.norm(x)
@@ -202,7 +202,7 @@ class Transformer(nnx.Module):
     else:
       h_sel = h
     logits = self.logits_from_hidden(h_sel) if return_logits else None
-    new_cache = cache.replace(k=jnp.stack(cache_k), v=jnp.stack(cache_v)) if cache is not None else None
+    new_cache = cache.replace(k=kv[0], v=kv[1]) if cache is not None else None
     return ForwardOutput(
         logits=logits, cache=new_cache,
         taps=jnp.stack([tapped[i] for i in taps], axis=2) if taps else None,
