@@ -71,3 +71,17 @@ def test_bench_json_contract(model_dir, tmp_path):
   with pytest.raises(SystemExit, match="unknown method"):
     main(["bench", "--method", "nope", "--text-file", str(model_dir.parent / "text.txt"), "--context", "10",
           "--model", str(model_dir)])
+
+
+def test_bench_with_transformers_peers(model_dir, tmp_path):
+  pytest.importorskip("torch")
+  out = tmp_path / "p.json"
+  # The tiny model doubles as its own standalone drafter: every draft is accepted.
+  assert main(["bench", "--method", "standalone", "--text-file", str(model_dir.parent / "text.txt"),
+               "--context", "100", "--new-tokens", "12", "--model", str(model_dir), "--drafter", str(model_dir),
+               "--repeats", "1", "--num-draft", "3", "--peer", "transformers", "--json", str(out)]) == 0
+  res = json.loads(out.read_text())
+  assert res["exact_match_ar"] is True and res["accept_per_position"] == [1.0, 1.0, 1.0]
+  peers = res["peer_tokens_per_s"]
+  assert set(peers) == {"transformers-ar", "transformers-assisted", "transformers-prompt-lookup"}
+  assert all(v > 0 for v in peers.values())
