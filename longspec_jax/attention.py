@@ -52,11 +52,11 @@ def causal_attention(q, k, v, *, block: int = 512, scale: float | None = None):
   q_tok = jnp.arange(blk * g) // g  # token offset of each row inside its block
   k_tok = jnp.arange(blk)
 
+  # Checkpointed per block pair, with every array it reads passed in explicitly: closed-over arrays would be
+  # saved as residuals at every step and make the backward pass quadratic in memory.
   @jax.checkpoint
-  def step(carry, j, qi, i):
+  def step(carry, qi, kb, vb, j, i):
     m, l, acc = carry
-    kb = jax.lax.dynamic_index_in_dim(kg, j, axis=1, keepdims=False)
-    vb = jax.lax.dynamic_index_in_dim(vg, j, axis=1, keepdims=False)
     s = jnp.einsum("nrd,ncd->nrc", qi, kb, preferred_element_type=jnp.float32) * scale
     visible = (j * blk + k_tok[None, :]) <= (i * blk + q_tok[:, None])
     s = jnp.where(visible[None], s, NEG_INF)
@@ -74,11 +74,13 @@ def causal_attention(q, k, v, *, block: int = 512, scale: float | None = None):
     init = (jnp.full((n, r), NEG_INF, jnp.float32), jnp.zeros((n, r), jnp.float32),
             jnp.zeros((n, r, d), jnp.float32))
 
-    def body(carry, j):
-      carry = jax.lax.cond(j <= i, lambda c: step(c, j, qi, i), lambda c: c, carry)
+    def body(carry, kv_j):
+      kb, vb, j = kv_j
+      carry = jax.lax.cond(j <= i, lambda c: step(c, qi, kb, vb, j, i), lambda c: c, carry)
       return carry, None
 
-    (m, l, acc), _ = jax.lax.scan(body, init, jnp.arange(nb))
+    (m, l, acc), _ = jax.lax.scan(body, init, (kg.transpose(1, 0, 2, 3), vg.transpose(1, 0, 2, 3),
+                                               jnp.arange(nb)))
     return (acc / l[..., None]).astype(q.dtype)
 
   if nb == 1:
