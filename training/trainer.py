@@ -91,6 +91,8 @@ class Checkpointer:
   def maybe_save(self, step: int, state, force: bool = False) -> bool:
     if not force and time.monotonic() - self.last_save < self.every_s:
       return False
+    if self.manager.latest_step() == step:  # already saved (e.g. a periodic save on the last step)
+      return False
     self.manager.save(step, args=ocp.args.StandardSave(state), force=True)
     self.manager.wait_until_finished()
     self.last_save = time.monotonic()
