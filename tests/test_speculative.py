@@ -219,3 +219,14 @@ def test_bad_input(target, drafters):
     generate(target, [[3] * 2000], max_new_tokens=40, drafter=drafters["pard"], num_draft_tokens=16)
   with pytest.raises(ValueError, match="mode must be one of"):
     standalone_from_model(target, "turbo")
+
+
+def test_prompt_lookup_proposals():
+  d = PromptLookupDrafter(V, max_ngram=3)
+  toks = np.zeros((2, 32), np.int32)
+  toks[0, :10] = [9, 4, 5, 6, 7, 4, 5, 6, 7, 4]  # period-4 repeat: continues 5 6 7 4 5 6 ...
+  toks[1, :6] = [10, 11, 12, 13, 14, 15]  # no earlier match: repeats the last token
+  ctx = ProposeContext(tokens=jnp.asarray(toks), num_tokens=jnp.asarray([10, 6]),
+                       sampling=SamplingParams.make())
+  drafts, probs, _ = d.propose(None, (), ctx, jax.random.key(0), 6, False)
+  assert drafts.tolist() == [[5, 6, 7, 4, 5, 6], [15] * 6] and probs is None

@@ -40,11 +40,13 @@ class PromptLookupDrafter:
       match &= (n_tok[:, None] >= n)
       latest = jnp.max(jnp.where(match, j, -1), axis=1)
       best = jnp.where(best >= 0, best, latest)
-    # Continue after the match; tokens at or past the sequence end repeat the last token (cheap rejections).
-    idx = best[:, None] + 1 + jnp.arange(num_draft)[None, :]
+    # Continue after the match. A match that ends `period` tokens before the sequence end is a repeat with that
+    # period, so past the sequence end the continuation keeps repeating it (draft i = draft i - period).
+    period = jnp.maximum(n_tok - 1 - best, 1)[:, None]
+    idx = best[:, None] + 1 + jnp.arange(num_draft)[None, :] % period
     last = jnp.take_along_axis(tokens, (n_tok - 1)[:, None], axis=1)
     cand = jnp.take_along_axis(tokens, jnp.clip(idx, 0, s_max - 1), axis=1)
-    drafts = jnp.where((best[:, None] >= 0) & (idx < n_tok[:, None]), cand, last).astype(jnp.int32)
+    drafts = jnp.where(best[:, None] >= 0, cand, last).astype(jnp.int32)
     probs = one_hot_probs(drafts, self.vocab_size) if sample else None
     return drafts, probs, state
 
