@@ -1,0 +1,58 @@
+"""`longspec make-drafter-data` and `longspec train-drafter`: registered on the main CLI's subparsers by
+`add_subcommands`. Each handler returns an exit code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DRAFTERS = ("pard",)  # later: dflash, eagle3, ...
+
+
+def cmd_make_drafter_data(a) -> int:
+  from longspec_jax import default_target_dir
+  from training.drafter_data import MANIFEST, DrafterDataConfig, make_drafter_data
+
+  cfg = DrafterDataConfig(
+      target_dir=str(a.target or default_target_dir()), corpus_dir=a.corpus, out_dir=a.out,
+      num_prompts=a.num_prompts, new_tokens=a.new_tokens, batch=a.batch, temperature=a.temperature,
+      greedy_fraction=a.greedy_fraction, min_prompt_tokens=a.min_prompt_tokens,
+      max_prompt_tokens=a.max_prompt_tokens, seed=a.seed)
+  out = make_drafter_data(cfg)
+  manifest = json.loads((Path(cfg.out_dir) / MANIFEST).read_text())
+  print(json.dumps({k: manifest[k] for k in ("counts", "generation_s", "generated_tokens_per_s")}, indent=2))
+  print(f"wrote {out}")
+  return 0
+
+
+def cmd_train_drafter(a) -> int:
+  from longspec_jax.yaml_config import load_yaml
+  from training.train_drafter import DrafterTrainConfig, train_standalone_drafter
+
+  cfg = load_yaml(DrafterTrainConfig, a.config or f"configs/drafter_{a.drafter}.yaml", a.set)
+  print(train_standalone_drafter(cfg, resume=not a.no_resume))
+  return 0
+
+
+def add_subcommands(subparsers) -> None:
+  m = subparsers.add_parser("make-drafter-data",
+                            help="generate drafter training data: corpus prompts continued by the target")
+  m.add_argument("--target", help="target model dir (default: the shipped target)")
+  m.add_argument("--corpus", default="data/corpus")
+  m.add_argument("--out", default="runs/drafter_data")
+  m.add_argument("--num-prompts", type=int, default=400)
+  m.add_argument("--new-tokens", type=int, default=256)
+  m.add_argument("--batch", type=int, default=16)
+  m.add_argument("--temperature", type=float, default=0.8, help="for the sampled batches")
+  m.add_argument("--greedy-fraction", type=float, default=0.5, help="share of batches decoded greedily")
+  m.add_argument("--min-prompt-tokens", type=int, default=128)
+  m.add_argument("--max-prompt-tokens", type=int, default=256)
+  m.add_argument("--seed", type=int, default=0)
+  m.set_defaults(fn=cmd_make_drafter_data)
+
+  t = subparsers.add_parser("train-drafter", help="train a drafter for the target on make-drafter-data output")
+  t.add_argument("--drafter", choices=DRAFTERS, default="pard")
+  t.add_argument("--config", help="YAML config (default: configs/drafter_<drafter>.yaml)")
+  t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+  t.add_argument("--no-resume", action="store_true")
+  t.set_defaults(fn=cmd_train_drafter)

@@ -1,0 +1,301 @@
+"""`longspec train-drafter --drafter pard`: a small standalone LM of the target's tokenizer, trained on the
+target's own generations with next-token CE plus PARD's mask-group objective.
+
+PARD drafting appends K-1 mask tokens after the last committed token and reads K drafts from one causal forward
+(the last real token predicts x+1, the j-th mask predicts x+1+j). Training matches that exactly: one prefill of a
+C-token window gives the next-token loss at every position and a KV cache; then, for A random anchors a per
+window, K-1 mask tokens are run in `extend` mode against a copy of that cache whose length is a+1 (keys after a
+are invisible, the masks overwrite rows a+1..a+K-1). So each window trains A mask groups for the price of
+A*(K-1) extra query rows, and the drafter never sees a mask position it would not see at inference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax import sharding as shd
+from longspec_jax.config import ModelConfig
+from longspec_jax.kv_cache import KVCache
+from longspec_jax.model import create_model, default_target_config, param_count
+from training.drafter_data import load_drafter_data, target_name, weights_sha256
+from training.losses import cross_entropy
+from training.trainer import (Checkpointer, OptimConfig, init_train_state, make_optimizer, make_train_step,
+                              train_loop)
+
+# The PARD drafter's architecture (Qwen3-style, ~1.5M parameters at vocab 8192, most of them the tied embedding).
+DRAFTER_ARCH = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=64, intermediate_size=384)
+# Fields that must equal the target's: drafts are token ids of the target's vocabulary.
+SHARED_WITH_TARGET = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTrainConfig:
+  data_dir: str = "runs/drafter_data"
+  target_dir: str = ""  # "" = the target recorded in the data's manifest
+  out_dir: str = "runs/drafter_pard"
+  model: dict = dataclasses.field(default_factory=dict)  # overrides of DRAFTER_ARCH / default_target_config
+  context_len: int = 512  # C: tokens per training window (n0, the context the drafter is trained at)
+  num_masks: int = 7  # K-1 mask tokens appended per anchor (K drafts per forward)
+  anchors_per_window: int = 16  # A mask groups per window
+  mask_weight: float = 1.0  # lambda: loss = CE_next + lambda * CE_mask
+  batch_size: int = 8
+  steps: int = 1000
+  optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
+  val_fraction: float = 0.05  # rows held out for the final validation metrics
+  val_windows: int = 64
+  seed: int = 0
+  compute_dtype: str = "bfloat16"
+  attn_block: int = 512
+  checkpoint_every_minutes: float = 5.0
+  log_every: int = 10
+  mesh_data: int = 0  # 0 = all devices
+  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
+
+  def __post_init__(self):
+    for name in ("context_len", "num_masks", "anchors_per_window", "batch_size", "steps", "val_windows"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.mask_weight < 0 or not 0 <= self.val_fraction < 1:
+      raise ValueError(f"need mask_weight >= 0 and 0 <= val_fraction < 1, got {self.mask_weight}, "
+                       f"{self.val_fraction}")
+
+  @property
+  def train_max_len(self) -> int:
+    return self.context_len + self.num_masks
+
+
+def drafter_model_config(target: ModelConfig, overrides: dict) -> ModelConfig:
+  """Drafter config: DRAFTER_ARCH + overrides, with the target's vocabulary, special ids and RoPE."""
+  if target.mask_token_id is None:
+    raise ValueError("the target config has no mask_token_id; PARD needs a reserved mask token")
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"unknown drafter model keys {unknown}; known: {sorted(fields)}")
+  for k in SHARED_WITH_TARGET:
+    if k in overrides and overrides[k] != getattr(target, k):
+      raise ValueError(f"drafter {k}={overrides[k]} does not match the target's {k}={getattr(target, k)}: a "
+                       "drafter must share the target's vocabulary and special tokens")
+  kw = dict(DRAFTER_ARCH, max_position_embeddings=target.max_position_embeddings, rope=target.rope,
+            rms_norm_eps=target.rms_norm_eps, tie_word_embeddings=True,
+            **{k: getattr(target, k) for k in SHARED_WITH_TARGET})
+  kw.update(overrides)
+  return default_target_config(**kw)
+
+
+class WindowSampler:
+  """Training batches from the drafter data rows (prompt + continuation). Each window starts at a row's start
+  (positions from 0, BOS kept, as at inference) unless the row is longer than C+1 tokens; the batch for step s is
+  a pure function of (seed, s), so a resumed run replays the same batches."""
+
+  def __init__(self, rows: list[list[int]], cfg: DrafterTrainConfig, pad_id: int, seed: int):
+    rows = [r for r in rows if len(r) >= 2]
+    if not rows:
+      raise ValueError("no drafter data row has the 2+ tokens a training window needs")
+    self.lens = np.asarray([len(r) for r in rows])
+    width = int(self.lens.max()) + cfg.num_masks + 1
+    self.tokens = np.full((len(rows), width), pad_id, np.int32)
+    for i, r in enumerate(rows):
+      self.tokens[i, :len(r)] = r
+    self.cfg, self.seed = cfg, seed
+
+  def __len__(self):
+    return len(self.lens)
+
+  def batch(self, step: int, batch_size: int) -> dict:
+    cfg = self.cfg
+    c, km1, a = cfg.context_len, cfg.num_masks, cfg.anchors_per_window
+    rng = np.random.default_rng([self.seed, step])
+    rows = rng.integers(0, len(self.lens), size=batch_size)
+    offs = np.asarray([rng.integers(0, max(self.lens[r] - (c + 1), 0) + 1) for r in rows])
+    valid = np.minimum(self.lens[rows] - offs, c + 1)  # real tokens in each window (inputs + last target)
+    cols = offs[:, None] + np.arange(c + 1 + km1)[None, :]
+    toks = np.take_along_axis(self.tokens[rows], np.minimum(cols, self.tokens.shape[1] - 1), axis=1)
+    ntp_w = (np.arange(1, c + 1)[None, :] < valid[:, None]).astype(np.float32)
+    # Anchor a (a real input position with a real next token) predicts x[a+1]; its mask j (1..K-1) x[a+1+j].
+    anchors = (rng.random((batch_size, a)) * (valid[:, None] - 1)).astype(np.int32)
+    tgt_pos = anchors[..., None] + 1 + np.arange(1, km1 + 1)
+    mask_tgt = np.take_along_axis(toks[:, None, :], tgt_pos, axis=2)
+    mask_w = (tgt_pos < valid[:, None, None]).astype(np.float32)
+    return {"tokens": toks[:, :c + 1], "ntp_w": ntp_w, "anchors": anchors, "mask_tgt": mask_tgt,
+            "mask_w": mask_w}
+
+
+def pard_forward(model, batch, num_masks: int, mask_id: int):
+  """(next-token logits [B, C, V], mask logits [B, A, K-1, V]) for a batch from WindowSampler."""
+  toks, anchors = batch["tokens"], batch["anchors"]
+  b, c = toks.shape[0], toks.shape[1] - 1
+  a = anchors.shape[1]
+  cache = model.init_cache(b, c + num_masks)
+  out = model(toks[:, :c], cache=cache, mode="prefill")
+  # One cache copy per anchor; its length a+1 hides every key after the anchor.
+  rep = lambda x: jnp.repeat(x, a, axis=1)
+  group_cache = KVCache(k=rep(out.cache.k), v=rep(out.cache.v), lengths=(anchors + 1).reshape(b * a))
+  masks = jnp.full((b * a, num_masks), mask_id, jnp.int32)
+  mask_logits = model(masks, cache=group_cache, mode="extend").logits
+  return out.logits, mask_logits.reshape(b, a, num_masks, -1)
+
+
+def pard_loss(model, batch, num_masks: int, mask_id: int, mask_weight: float):
+  ntp_logits, mask_logits = pard_forward(model, batch, num_masks, mask_id)
+  ntp, _ = cross_entropy(ntp_logits, batch["tokens"][:, 1:], batch["ntp_w"])
+  mask, _ = cross_entropy(mask_logits, batch["mask_tgt"], batch["mask_w"])
+  return ntp + mask_weight * mask, {"ntp_loss": ntp, "mask_loss": mask}
+
+
+def _target_config(cfg: DrafterTrainConfig, manifest: dict) -> tuple[Path, ModelConfig]:
+  target_dir = Path(cfg.target_dir or manifest["target_dir"])
+  if not (target_dir / "config.json").exists():
+    raise FileNotFoundError(f"no target model at {target_dir} (expected config.json); set target_dir")
+  target = ModelConfig.from_json_file(target_dir / "config.json")
+  made_for = manifest["target"]
+  if made_for["vocab_size"] != target.vocab_size or made_for["mask_token_id"] != target.mask_token_id:
+    raise ValueError(f"the drafter data in {cfg.data_dir} was generated by a target with vocab_size "
+                     f"{made_for['vocab_size']} / mask id {made_for['mask_token_id']}, but {target_dir} has "
+                     f"{target.vocab_size} / {target.mask_token_id}")
+  if made_for["weights_sha256"] != weights_sha256(target_dir):
+    # Same vocabulary, other weights (e.g. a re-export in another dtype): allowed, but the data is not its own.
+    print(f"warning: {target_dir} is not the checkpoint that generated {cfg.data_dir}")
+  return target_dir, target
+
+
+def _split_rows(ds, cfg: DrafterTrainConfig, vocab_size: int) -> tuple[list, list]:
+  rows = [list(p) + list(c) for p, c in zip(ds["prompt"], ds["continuation"])]
+  top = max(max(r) for r in rows)
+  if top >= vocab_size:
+    raise ValueError(f"drafter data has token id {top} >= the target's vocab_size {vocab_size}")
+  # Held-out rows: whole sequences, chosen by a seeded permutation.
+  order = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
+  n_val = int(round(cfg.val_fraction * len(rows)))
+  if n_val >= len(rows):
+    raise ValueError(f"val_fraction {cfg.val_fraction} leaves no training rows out of {len(rows)}")
+  return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
+
+
+def train_standalone_drafter(cfg: DrafterTrainConfig, resume: bool = True) -> Path:
+  """Trains the PARD drafter; returns the exported HF directory (or the checkpoint dir when stopped early)."""
+  ds, manifest = load_drafter_data(cfg.data_dir)
+  target_dir, target = _target_config(cfg, manifest)
+  model_cfg = drafter_model_config(target, cfg.model)
+  train_rows, val_rows = _split_rows(ds, cfg, target.vocab_size)
+  pad_id = target.pad_token_id if target.pad_token_id is not None else target.eos_token_id or 0
+  sampler = WindowSampler(train_rows, cfg, pad_id, cfg.seed)
+
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+  model = create_model(model_cfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype), attn_block=cfg.attn_block)
+  print(f"PARD drafter: {param_count(model) / 1e6:.2f}M parameters, {len(train_rows)} train / {len(val_rows)} "
+        f"val rows, window {cfg.context_len} + {cfg.num_masks} masks x {cfg.anchors_per_window} anchors")
+
+  mesh = shd.make_mesh(cfg.mesh_data or None)
+  if cfg.batch_size % mesh.shape["data"]:
+    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
+  graphdef, params = nnx.split(model)
+  optimizer = make_optimizer(cfg.optim, cfg.steps)
+  with jax.set_mesh(mesh):
+    state = init_train_state(params, optimizer, mesh)
+  ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint_every_minutes)
+  if resume and ckpt.latest_step() is not None:
+    state = ckpt.restore(state)
+    print(f"resumed from step {int(state.step)}")
+
+  def loss_fn(p, batch):
+    return pard_loss(nnx.merge(graphdef, p), batch, cfg.num_masks, target.mask_token_id, cfg.mask_weight)
+
+  data_sharding = shd.batch_sharding(mesh)
+
+  def batch_fn(step):
+    return jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding)
+
+  end = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
+  t0 = time.time()
+  with jax.set_mesh(mesh):
+    state = train_loop(state, make_train_step(loss_fn, optimizer), batch_fn, end, ckpt, out / "train_log.jsonl",
+                       log_every=cfg.log_every, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
+                       desc="train-drafter")
+  ckpt.close()
+  if end < cfg.steps:
+    print(f"stopped after step {end} of {cfg.steps}; rerun the same command to continue")
+    return out / "checkpoints"
+  trained = nnx.merge(graphdef, state.params)
+  return export_drafter(trained, cfg, target_dir, manifest, val_rows, pad_id, train_s=time.time() - t0)
+
+
+def validation_metrics(model, cfg: DrafterTrainConfig, rows: list[list[int]], pad_id: int, mask_id: int) -> dict:
+  """Losses and top-1 accuracy per draft position (anchor = position 1, mask j = position j+1) on held-out
+  rows: a proxy for PARD acceptance on greedy target text."""
+  if not rows:
+    return {}
+  sampler = WindowSampler(rows, cfg, pad_id, seed=cfg.seed + 1)
+  bs = min(cfg.batch_size, cfg.val_windows)
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def stats(params, batch):
+    m = nnx.merge(graphdef, params)
+    ntp_logits, mask_logits = pard_forward(m, batch, cfg.num_masks, mask_id)
+    ntp, n_ntp = cross_entropy(ntp_logits, batch["tokens"][:, 1:], batch["ntp_w"])
+    mask, n_mask = cross_entropy(mask_logits, batch["mask_tgt"], batch["mask_w"])
+    # Position 1 at each anchor is the anchor's own next-token prediction.
+    anchor_logits = jnp.take_along_axis(ntp_logits, batch["anchors"][..., None], axis=1)
+    anchor_tgt = jnp.take_along_axis(batch["tokens"], batch["anchors"] + 1, axis=1)
+    hit = jnp.concatenate([(jnp.argmax(anchor_logits, -1) == anchor_tgt)[..., None],
+                           jnp.argmax(mask_logits, -1) == batch["mask_tgt"]], axis=-1)
+    w = jnp.concatenate([jnp.ones_like(batch["mask_w"][..., :1]), batch["mask_w"]], axis=-1)
+    return ntp * n_ntp, n_ntp, mask * n_mask, n_mask, jnp.sum(hit * w, (0, 1)), jnp.sum(w, (0, 1))
+
+  acc = None
+  for i in range(-(-cfg.val_windows // bs)):
+    part = stats(params, sampler.batch(i, bs))
+    acc = part if acc is None else tuple(x + y for x, y in zip(acc, part))
+  ntp_sum, n_ntp, mask_sum, n_mask, hits, w = (np.asarray(x, np.float64) for x in acc)
+  return {"val_ntp_loss": round(float(ntp_sum / n_ntp), 4), "val_mask_loss": round(float(mask_sum / n_mask), 4),
+          "val_top1_per_position": [round(float(h), 4) for h in hits / np.maximum(w, 1)]}
+
+
+def export_drafter(model, cfg: DrafterTrainConfig, target_dir: Path, manifest: dict, val_rows, pad_id: int,
+                   train_s: float) -> Path:
+  """HF directory (bf16 safetensors + the target's tokenizer) plus drafter.json describing how it was trained."""
+  from longspec_jax.hf_io import save_model_dir
+
+  out = Path(cfg.out_dir)
+  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
+  last = log[-1] if log else {}
+  final = save_model_dir(model, out / "final", tokenizer_dir=target_dir, dtype=jnp.bfloat16)
+  info = {
+      "kind": "standalone",
+      "mode": "pard",
+      "mask_token_id": model.cfg.mask_token_id,
+      "num_mask_tokens_trained": cfg.num_masks,
+      "target": target_name(target_dir),
+      "target_weights_sha256": weights_sha256(target_dir),
+      "target_vocab_size": model.cfg.vocab_size,
+      "train_max_len": cfg.train_max_len,
+      "n0": cfg.context_len,
+      "data": {"dir": str(Path(cfg.data_dir).resolve()), **manifest["counts"],
+               "temperature": manifest["settings"]["temperature"],
+               "greedy_fraction": manifest["settings"]["greedy_fraction"]},
+      "steps": cfg.steps,
+      "batch_size": cfg.batch_size,
+      "anchors_per_window": cfg.anchors_per_window,
+      "mask_weight": cfg.mask_weight,
+      "tokens_seen": last.get("tokens"),
+      "final_loss": last.get("loss"),
+      "final_ntp_loss": last.get("ntp_loss"),
+      "final_mask_loss": last.get("mask_loss"),
+      "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
+      "parameters": param_count(model),
+      **validation_metrics(model, cfg, val_rows, pad_id, model.cfg.mask_token_id),
+  }
+  (final / "drafter.json").write_text(json.dumps(info, indent=2))
+  return final
