@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--peer", choices=["transformers"])
   bn.add_argument("--json")
   bn.set_defaults(fn=cmd_bench)
+
+  from training.cli_drafter import add_subcommands
+  add_subcommands(sub)  # make-drafter-data, train-drafter
   return p
 
 
