@@ -3,7 +3,6 @@ text file. Timings are medians over repeats; the first call of each program (com
 
 from __future__ import annotations
 
-import functools
 import resource
 import statistics
 import time
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from inference.generate import cache_len_for, generate, pad_prompts

@@ -26,8 +26,6 @@ def encode_prompt(tok, text: str, bos_id: int | None) -> list[int]:
 
 
 def cmd_generate(a) -> int:
-  import numpy as np
-
   from inference.generate import generate
   from longspec_jax.hf_io import load_model_dir
   from longspec_jax.tokenizer import load_tokenizer
@@ -100,8 +98,6 @@ def cmd_export_hf(a) -> int:
 
 
 def cmd_eval_target(a) -> int:
-  import numpy as np
-
   from inference.eval_target import evaluate_position_buckets, load_unigram, unigram_log_probs
   from longspec_jax import long_doc_paths
   from longspec_jax.hf_io import load_model_dir

@@ -4,7 +4,6 @@ target K/V rows are left in place and overwritten later (only the length pointer
 
 from __future__ import annotations
 
-import functools
 import time
 
 import flax.struct
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.generate import GenerationResult, cache_len_for, pad_prompts, prefill
+from inference.generate import GenerationResult, cache_len_for, pad_prompts
 from longspec_jax.drafters.base import LoadedDrafter, PrefillResult, ProposeContext, VerifyResult
 from longspec_jax.kv_cache import KVCache
 from longspec_jax.sampling import SamplingParams, sample_token

@@ -29,15 +29,3 @@ class KVCache:
   @property
   def nbytes(self) -> int:
     return self.k.nbytes + self.v.nbytes + self.lengths.nbytes
-
-
-def write_rows(buf, new, offsets):
-  """buf [B, S, ...], new [B, T, ...], offsets [B] -> buf with new[b] at rows offsets[b]..offsets[b]+T-1."""
-  def one(b, n, o):
-    return jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), o, axis=0)
-  return jax.vmap(one)(buf, new, offsets)
-
-
-def read_rows(buf, offsets, size: int):
-  """buf [B, S, ...] -> [B, size, ...] rows offsets[b]..offsets[b]+size-1 (clamped inside the buffer)."""
-  return jax.vmap(lambda b, o: jax.lax.dynamic_slice_in_dim(b, o, size, axis=0))(buf, offsets)

@@ -2,8 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
 from flax import nnx
 
 from inference.generate import ar_program, bucket, generate

@@ -7,7 +7,6 @@ import pytest
 from flax import nnx
 
 from longspec_jax.attention import cached_attention, causal_attention
-from longspec_jax.model import create_model
 
 
 def naive_causal(q, k, v):

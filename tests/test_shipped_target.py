@@ -1,6 +1,5 @@
 """The shipped default target loads, matches its tokenizer, generates, and beats the unigram baseline."""
 
-import numpy as np
 
 from inference.cli import main
 from inference.eval_target import evaluate_position_buckets, load_unigram

@@ -17,7 +17,6 @@ from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
