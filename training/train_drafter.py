@@ -27,7 +27,7 @@ from longspec_jax.kv_cache import KVCache
 from longspec_jax.model import create_model, default_target_config, param_count
 from training.drafter_data import load_drafter_data, target_name, weights_sha256
 from training.losses import cross_entropy
-from training.trainer import (Checkpointer, OptimConfig, init_train_state, make_optimizer, make_train_step,
+from training.trainer import (OptimConfig, make_optimizer, make_train_step, start_or_resume,
                               train_loop)
 
 # The PARD drafter's architecture (Qwen3-style, ~1.5M parameters at vocab 8192, most of them the tied embedding).
@@ -202,12 +202,7 @@ def train_standalone_drafter(cfg: DrafterTrainConfig, resume: bool = True) -> Pa
     raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
   graphdef, params = nnx.split(model)
   optimizer = make_optimizer(cfg.optim, cfg.steps)
-  with jax.set_mesh(mesh):
-    state = init_train_state(params, optimizer, mesh)
-  ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint_every_minutes)
-  if resume and ckpt.latest_step() is not None:
-    state = ckpt.restore(state)
-    print(f"resumed from step {int(state.step)}")
+  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
 
   def loss_fn(p, batch):
     return pard_loss(nnx.merge(graphdef, p), batch, cfg.num_masks, target.mask_token_id, cfg.mask_weight)

@@ -16,7 +16,7 @@ from longspec_jax.model import create_model, default_target_config
 from longspec_jax.tokenizer import load_tokenizer, special_token_ids
 from training.data import TokenStream, load_corpus, tokenize_split
 from training.losses import cross_entropy
-from training.trainer import (Checkpointer, OptimConfig, Stage, TrainState, init_train_state, make_optimizer,
+from training.trainer import (Checkpointer, OptimConfig, Stage, TrainState, make_optimizer, start_or_resume,
                               make_train_step, stage_at, train_loop)
 
 
@@ -76,12 +76,7 @@ def train_target(cfg: TargetTrainConfig, resume: bool = True) -> Path:
   graphdefs = {r: nnx.split(m)[0] for r, m in models.items()}
   params = nnx.split(models[False])[1]
   optimizer = make_optimizer(cfg.optim, cfg.total_steps)
-  with jax.set_mesh(mesh):
-    state = init_train_state(params, optimizer, mesh)
-  ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint_every_minutes)
-  if resume and ckpt.latest_step() is not None:
-    state = ckpt.restore(state)
-    print(f"resumed from step {int(state.step)}")
+  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
 
   def make_loss(graphdef):
     def loss_fn(p, batch):

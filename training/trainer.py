@@ -112,6 +112,18 @@ def init_train_state(params: nnx.State, optimizer, mesh, rules=shd.DATA_PARALLEL
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
+def start_or_resume(params: nnx.State, optimizer, mesh, ckpt_dir, every_minutes: float,
+                    resume: bool = True) -> tuple[TrainState, "Checkpointer"]:
+  """Fresh sharded train state, replaced by the latest checkpoint in `ckpt_dir` when there is one."""
+  with jax.set_mesh(mesh):
+    state = init_train_state(params, optimizer, mesh)
+  ckpt = Checkpointer(ckpt_dir, every_minutes)
+  if resume and ckpt.latest_step() is not None:
+    state = ckpt.restore(state)
+    print(f"resumed from step {int(state.step)}")
+  return state, ckpt
+
+
 def make_train_step(loss_fn: Callable, optimizer):
   """loss_fn(params, batch) -> (loss, metrics dict). Returns a jitted (state, batch) -> (state, metrics)."""
 
