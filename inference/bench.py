@@ -79,32 +79,36 @@ def profile_step(model, drafter, prompts, num_draft: int, sp: SamplingParams, re
   return 1000 * t_draft, 1000 * t_verify, state_nbytes(dstate)
 
 
+def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
+  """(result, decode tokens/s, prefill seconds): the prefill-only time is subtracted from the full call."""
+  run = lambda n: generate(model, prompts, max_new_tokens=n, **kw)
+  _, t_prefill = _timed(lambda: run(1), repeats)
+  res, t_full = _timed(lambda: run(new_tokens), repeats)
+  n_new = sum(len(t) for t in res.tokens)
+  return res, n_new / max(t_full - t_prefill, 1e-9), t_prefill
+
+
 def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
               seed: int = 0, batch: int = 1, num_draft: int = 8, drafter_dir=None, repeats: int = 3,
-              top_k: int = 0, top_p: float = 1.0) -> dict:
+              top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None) -> dict:
+  """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
+  in one process time AR once per context."""
   cfg = model.cfg
-  drafter = build_drafter(method, model, drafter_dir)
+  drafter = build_drafter(method, model, drafter_dir, sharpdraft=sharpdraft)
   prompts = bench_prompts(tok.encode(text).ids, context, batch, cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-  spec_kw = dict(drafter=drafter, num_draft_tokens=num_draft) if drafter is not None else {}
 
-  def decode_rate(extra):
-    run = lambda n: generate(model, prompts, max_new_tokens=n, **kw, **extra)
-    _, t_prefill = _timed(lambda: run(1), repeats)
-    res, t_full = _timed(lambda: run(new_tokens), repeats)
-    n_new = sum(len(t) for t in res.tokens)
-    return res, n_new / max(t_full - t_prefill, 1e-9), t_prefill
-
-  ar, ar_tps, ar_prefill = decode_rate({})
-  out = {"method": method, "context": context, "new_tokens": new_tokens, "batch": batch,
-         "temperature": temperature, "seed": seed, "num_draft_tokens": num_draft if drafter else 0,
+  ar, ar_tps, ar_prefill = ar_baseline or decode_rate(model, prompts, new_tokens, repeats, **kw)
+  out = {"method": method, "sharpdraft": sharpdraft, "context": context, "new_tokens": new_tokens,
+         "batch": batch, "temperature": temperature, "seed": seed, "num_draft_tokens": num_draft if drafter else 0,
          "ar_tokens_per_s": ar_tps, "ar_prefill_ms": 1000 * ar_prefill}
   if drafter is None:
     out.update(tau=1.0, accept_per_position=[], target_forwards=ar.target_forwards, tokens_per_s=ar_tps,
                speedup=1.0, draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,
                exact_match_ar=True if temperature == 0 else None)
   else:
-    res, tps, prefill = decode_rate(spec_kw)
+    res, tps, prefill = decode_rate(model, prompts, new_tokens, repeats, drafter=drafter,
+                                     num_draft_tokens=num_draft, **kw)
     sp = SamplingParams.make(temperature, top_k, top_p)
     draft_ms, verify_ms, state_bytes = profile_step(model, drafter, prompts, num_draft, sp)
     out.update(tau=res.stats["tau"], accept_per_position=res.stats["accept_per_position"],

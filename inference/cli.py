@@ -141,7 +141,7 @@ def cmd_bench(a) -> int:
   tok = load_tokenizer(model_dir)
   text = path.read_text()
   res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
-                  a.num_draft, a.drafter, a.repeats)
+                  a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft)
   if a.peer == "transformers":
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
     prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
@@ -211,8 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--drafter", help="drafter directory (default: the shipped one for the method)")
   bn.add_argument("--repeats", type=int, default=3)
   bn.add_argument("--peer", choices=["transformers"])
+  bn.add_argument("--sharpdraft", choices=["off", "fixed", "exact"], default="off",
+                  help="SharpDraft query scaling of the drafter (needs sharpdraft.json: calibrate-sharpdraft)")
   bn.add_argument("--json")
   bn.set_defaults(fn=cmd_bench)
+
+  from training.calibrate_sharpdraft import add_subcommand
+  add_subcommand(sub)  # calibrate-sharpdraft
 
   from training.cli_drafter import add_subcommands
   add_subcommands(sub)  # make-drafter-data, train-drafter

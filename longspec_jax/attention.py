@@ -91,21 +91,26 @@ def causal_attention(q, k, v, *, block: int = 512, scale: float | None = None):
   return _ungroup(out, b, nb * blk, hq)[:, :t]
 
 
-def cached_attention(q, k_cache, v_cache, q_positions, *, scale: float | None = None, return_lse: bool = False):
-  """Few new queries against a static cache that already holds them. q [B, T, Hq, D] at q_positions [B, T];
-  k/v_cache [B, S, Hkv, D]. Key j is visible to a query at position p iff j <= p."""
+def masked_attention(q, k, v, visible, *, scale: float | None = None, return_lse: bool = False):
+  """Dense attention with an explicit mask. q [B, T, Hq, D]; k/v [B, S, Hkv, D]; visible [B, T, S] bool."""
   b, t, hq, d = q.shape
-  s_max, kv_heads = k_cache.shape[1], k_cache.shape[2]
+  kv_heads = k.shape[2]
   g = hq // kv_heads
   scale = d ** -0.5 if scale is None else scale
   qg = q.reshape(b, t, kv_heads, g, d)
-  s = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * scale
-  visible = jnp.arange(s_max)[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
   s = jnp.where(visible[:, None, None], s, NEG_INF)
   lse = jax.nn.logsumexp(s, axis=-1)
   p = jnp.exp(s - lse[..., None])
-  out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_cache.dtype), v_cache,
+  out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32).reshape(b, t, hq, d).astype(q.dtype)
   if return_lse:
     return out, lse.transpose(0, 3, 1, 2).reshape(b, t, hq)
   return out
+
+
+def cached_attention(q, k_cache, v_cache, q_positions, *, scale: float | None = None, return_lse: bool = False):
+  """Few new queries against a static cache that already holds them. q [B, T, Hq, D] at q_positions [B, T];
+  k/v_cache [B, S, Hkv, D]. Key j is visible to a query at position p iff j <= p."""
+  visible = jnp.arange(k_cache.shape[1])[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+  return masked_attention(q, k_cache, v_cache, visible, scale=scale, return_lse=return_lse)

@@ -19,12 +19,13 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
-  """Our parameter path -> (HF tensor name, whether the array is transposed between the two)."""
+def _hf_name(path: tuple, prefix: str = "model.") -> tuple[str, bool]:
+  """Our parameter path -> (HF tensor name, whether the array is transposed between the two). Decoder-only
+  LMs name their body `model.*`; drafter checkpoints (DFlash, EAGLE-3) use bare names (prefix "")."""
   *parents, leaf = (str(p) for p in path)
   transpose = leaf == "kernel"
   name = ".".join(parents + ["weight" if leaf in ("kernel", "scale", "embedding") else leaf])
-  return (name if parents[0] == "lm_head" else "model." + name), transpose
+  return (name if parents[0] == "lm_head" else prefix + name), transpose
 
 
 def _flat_params(model: nnx.Module) -> dict[tuple, jax.Array]:
@@ -40,10 +41,10 @@ def _flat_params(model: nnx.Module) -> dict[tuple, jax.Array]:
   return flat
 
 
-def to_hf_tensors(model: nnx.Module, dtype=np.float32) -> dict[str, np.ndarray]:
+def to_hf_tensors(model: nnx.Module, dtype=np.float32, prefix: str = "model.") -> dict[str, np.ndarray]:
   out = {}
   for path, arr in _flat_params(model).items():
-    name, transpose = _hf_name(path)
+    name, transpose = _hf_name(path, prefix)
     a = np.asarray(jnp.asarray(arr, jnp.float32))
     out[name] = np.ascontiguousarray(a.T if transpose else a).astype(dtype)
   return out
@@ -77,7 +78,8 @@ def _read_tensors(model_dir: Path) -> dict[str, jax.Array]:
   return tensors
 
 
-def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: str = "") -> nnx.Module:
+def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: str = "",
+                     prefix: str = "model.") -> nnx.Module:
   """Fills every nnx.Param of `model` from HF-named tensors; errors name missing / mis-shaped tensors."""
   state = nnx.state(model, nnx.Param)
   pure = state.to_pure_dict()
@@ -85,7 +87,7 @@ def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: st
   missing, bad_shape, used = [], [], set()
   new_flat = {}
   for path, arr in flat.items():
-    name, transpose = _hf_name(path)
+    name, transpose = _hf_name(path, prefix)
     if name not in tensors:
       missing.append(name)
       continue

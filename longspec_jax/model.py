@@ -103,9 +103,12 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, rope, cache_kv, layer: int, mode: str, attn_block: int):
+  def __call__(self, x, positions, rope, cache_kv, layer: int, mode: str, attn_block: int, query_scale=None):
     """cache_kv: the whole stacked (k, v) [L, B, S, Hkv, D]; this layer writes its rows in place."""
     q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
+    if query_scale is not None:
+      # SharpDraft: in every mode a query at position p sees keys 0..p, i.e. p + 1 of them.
+      q = (q * query_scale(layer, positions + 1)[..., None]).astype(q.dtype)
     if mode == "train":
       o = causal_attention(q, k, v, block=attn_block)
     elif mode == "prefill":
@@ -162,8 +165,12 @@ class Transformer(nnx.Module):
     return self.lm_head(h).astype(jnp.float32)
 
   def __call__(self, tokens, *, cache: KVCache | None = None, positions=None, mode: str = "train",
-               taps: Sequence[int] = (), return_kv: bool = False, logits_at=None, return_logits: bool = True):
-    """tokens [B, T]. `logits_at` [B, P] (indices into T) limits the LM head to those rows."""
+               taps: Sequence[int] = (), return_kv: bool = False, logits_at=None, return_logits: bool = True,
+               query_scale=None):
+    """tokens [B, T]. `logits_at` [B, P] (indices into T) limits the LM head to those rows.
+
+    `query_scale(layer, num_keys [B, T]) -> [B, T, Hq]` (e.g. `SharpDraft.query_scale`) multiplies every query
+    after q-norm and RoPE; None leaves the attention untouched."""
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "train" and cache is None:
@@ -187,10 +194,10 @@ class Transformer(nnx.Module):
       if li in taps:
         tapped[li] = x
       if self.remat and mode == "train":
-        fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, 0, "train", self.attn_block)[0])
+        fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, li, "train", self.attn_block, query_scale)[0])
         x = fn(layer, x, positions)
       else:
-        x, kv, (k, v) = layer(x, positions, rope, kv, li, mode, self.attn_block)
+        x, kv, (k, v) = layer(x, positions, rope, kv, li, mode, self.attn_block, query_scale)
         if return_kv:
           new_k.append(k)
           new_v.append(v)
@@ -208,6 +215,25 @@ class Transformer(nnx.Module):
         taps=jnp.stack([tapped[i] for i in taps], axis=2) if taps else None,
         new_kv=(jnp.stack(new_k), jnp.stack(new_v)) if return_kv else None,
         hidden=h)
+
+  def last_query_attention_logits(self, tokens) -> list[jax.Array]:
+    """Per layer, the pre-softmax logits (1/sqrt(d) applied) of the last token's query against all T keys of
+    `tokens` [B, T] (causal, no cache): [B, Hq, 1, T] each. SharpDraft calibrates on them."""
+    cfg = self.cfg
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+    rope = rope_frequencies(cfg, t - 1)
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    x = self.embed(tokens)
+    out = []
+    for li, layer in enumerate(self.layers):
+      q, k, _ = layer.self_attn.qkv(layer.input_layernorm(x), positions, rope)
+      k = jnp.repeat(k, g, axis=2)  # q head h reads kv head h // g
+      out.append(jnp.einsum("bqhd,bkhd->bhqk", q[:, -1:], k, preferred_element_type=jnp.float32)
+                 * cfg.head_dim ** -0.5)
+      if li + 1 < len(self.layers):
+        x = layer(x, positions, rope, None, li, "train", self.attn_block)[0]
+    return out
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     cfg = self.cfg

@@ -6,7 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DRAFTERS = ("pard",)  # later: dflash, eagle3, ...
+# --drafter NAME -> (module, config class, train function); configs/drafter_NAME.yaml is the default config.
+DRAFTERS = {
+    "pard": ("training.train_drafter", "DrafterTrainConfig", "train_standalone_drafter"),
+    "dflash": ("training.train_dflash", "DFlashTrainConfig", "train_dflash"),
+    "eagle3": ("training.train_eagle3", "Eagle3TrainConfig", "train_eagle3"),
+}
 
 
 def cmd_make_drafter_data(a) -> int:
@@ -26,11 +31,14 @@ def cmd_make_drafter_data(a) -> int:
 
 
 def cmd_train_drafter(a) -> int:
-  from longspec_jax.yaml_config import load_yaml
-  from training.train_drafter import DrafterTrainConfig, train_standalone_drafter
+  import importlib
 
-  cfg = load_yaml(DrafterTrainConfig, a.config or f"configs/drafter_{a.drafter}.yaml", a.set)
-  print(train_standalone_drafter(cfg, resume=not a.no_resume))
+  from longspec_jax.yaml_config import load_yaml
+
+  module, config_cls, train_fn = DRAFTERS[a.drafter]
+  mod = importlib.import_module(module)
+  cfg = load_yaml(getattr(mod, config_cls), a.config or f"configs/drafter_{a.drafter}.yaml", a.set)
+  print(getattr(mod, train_fn)(cfg, resume=not a.no_resume))
   return 0
 
 
@@ -51,7 +59,7 @@ def add_subcommands(subparsers) -> None:
   m.set_defaults(fn=cmd_make_drafter_data)
 
   t = subparsers.add_parser("train-drafter", help="train a drafter for the target on make-drafter-data output")
-  t.add_argument("--drafter", choices=DRAFTERS, default="pard")
+  t.add_argument("--drafter", choices=sorted(DRAFTERS), default="pard")
   t.add_argument("--config", help="YAML config (default: configs/drafter_<drafter>.yaml)")
   t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
   t.add_argument("--no-resume", action="store_true")

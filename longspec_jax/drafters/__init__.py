@@ -1,4 +1,4 @@
-"""Drafter registry: method name -> builder(target_model, drafter_dir | None) -> LoadedDrafter.
+"""Drafter registry: method name -> builder(target_model, drafter_dir | None, sharpdraft | None) -> LoadedDrafter.
 
 Later methods register themselves here; `longspec bench --method NAME` and `generate()` callers use it."""
 
@@ -21,32 +21,61 @@ def _shipped(name: str, drafter_dir) -> Path:
   return path
 
 
-def _prompt_lookup(target, drafter_dir):
+def _prompt_lookup(target, drafter_dir, sharpdraft):
   from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
   return LoadedDrafter(PromptLookupDrafter(target.cfg.vocab_size))
 
 
 def _standalone(mode):
-  def build(target, drafter_dir):
+  def build(target, drafter_dir, sharpdraft):
     from longspec_jax.drafters.standalone import load_standalone
-    return load_standalone(_shipped("pard", drafter_dir), mode)
+    return load_standalone(_shipped("pard", drafter_dir), mode, sharpdraft=sharpdraft)
   return build
 
 
+def _dflash(target, drafter_dir, sharpdraft):
+  from longspec_jax.drafters.dflash import load_dflash
+  return load_dflash(_shipped("dflash", drafter_dir), target, sharpdraft=sharpdraft)
+
+
+def _eagle3(target, drafter_dir, sharpdraft):
+  from longspec_jax.drafters.eagle3 import load_eagle3
+  return load_eagle3(_shipped("eagle3", drafter_dir), target, sharpdraft=sharpdraft)
+
+
 BUILDERS: dict[str, Callable] = {
+    "dflash": _dflash,
+    "eagle3": _eagle3,
     "prompt-lookup": _prompt_lookup,
     "standalone": _standalone("classic"),
     "pard": _standalone("pard"),
 }
 
 
+# Methods whose drafter has attention over a growing key set (SharpDraft applies) -> their shipped drafter dir.
+ATTENTION_DRAFTERS = {"dflash": "dflash", "eagle3": "eagle3", "standalone": "pard", "pard": "pard"}
+
+
 def method_names() -> list[str]:
   return ["ar"] + sorted(BUILDERS)
 
 
-def build_drafter(name: str, target, drafter_dir=None) -> LoadedDrafter | None:
+def drafter_path(name: str, drafter_dir=None) -> Path:
+  """The checkpoint directory a method's drafter loads from (`drafter_dir` or the shipped one)."""
+  return _shipped(ATTENTION_DRAFTERS.get(name, name), drafter_dir)
+
+
+def build_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off") -> LoadedDrafter | None:
+  """sharpdraft: "off" | "fixed" | "exact" (reads sharpdraft.json beside the drafter checkpoint)."""
+  from longspec_jax.sharpdraft import CHOICES, load_sharpdraft
+  if sharpdraft not in CHOICES:
+    raise ValueError(f"sharpdraft must be one of {CHOICES}, got {sharpdraft!r}")
+  if name != "ar" and name not in BUILDERS:
+    raise ValueError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
+  if sharpdraft != "off" and name not in ATTENTION_DRAFTERS:
+    raise ValueError(f"SharpDraft scales drafter attention; method {name!r} has none (it applies to "
+                     f"{', '.join(sorted(ATTENTION_DRAFTERS))})")
   if name == "ar":
     return None
-  if name not in BUILDERS:
-    raise ValueError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
-  return BUILDERS[name](target, drafter_dir)
+  sd = load_sharpdraft(drafter_path(name, drafter_dir), sharpdraft, name) if sharpdraft != "off" else None
+  return BUILDERS[name](target, drafter_dir, sd)

@@ -20,6 +20,7 @@ from flax import nnx
 
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.sampling import processed_log_probs
+from longspec_jax.sharpdraft import SharpDraft
 
 MODES = ("classic", "pard")
 
@@ -33,6 +34,7 @@ class StandaloneDrafter:
   name: str = "standalone"
   taps: tuple = ()
   needs_target_kv: bool = False
+  sharpdraft: SharpDraft | None = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -40,11 +42,21 @@ class StandaloneDrafter:
     if self.mode == "pard" and self.mask_token_id is None:
       raise ValueError("PARD mode needs a mask_token_id")
 
+  @property
+  def _query_scale(self):
+    return self.sharpdraft.query_scale if self.sharpdraft is not None else None
+
   def init_state(self, params, prefill, max_len):
     model = nnx.merge(self.graphdef, params)
     b = prefill.tokens.shape[0]
-    out = model(prefill.prompt_tokens, cache=model.init_cache(b, max_len), mode="prefill", return_logits=False)
+    out = model(prefill.prompt_tokens, cache=model.init_cache(b, max_len), mode="prefill", return_logits=False,
+                query_scale=self._query_scale)
     return out.cache
+
+  def attention_logits(self, params, target, tokens):
+    """Pre-softmax logits [B, Hq, 1, N] per drafter layer of the query that sees all N = T keys of `tokens`."""
+    del target  # a standalone drafter reads only tokens
+    return nnx.merge(self.graphdef, params).last_query_attention_logits(tokens)
 
   def _window(self, ctx, k, extra: int):
     """Last K+1 committed tokens (+ `extra` mask slots) at their own positions, clamped to start at 0."""
@@ -69,7 +81,7 @@ class StandaloneDrafter:
     if self.mode == "pard":
       toks, pos, last = self._window(ctx, k, extra=k - 1)
       out = model(toks, cache=state, positions=pos, mode="extend",
-                  logits_at=last[:, None] + jnp.arange(k)[None, :])
+                  logits_at=last[:, None] + jnp.arange(k)[None, :], query_scale=self._query_scale)
       drafts, probs = [], []
       for i in range(k):
         d, q = self._pick(out.logits[:, i], keys[i], ctx.sampling, sample)
@@ -78,12 +90,13 @@ class StandaloneDrafter:
       cache = out.cache
     else:
       toks, pos, last = self._window(ctx, k, extra=0)
-      out = model(toks, cache=state, positions=pos, mode="extend", logits_at=last[:, None])
+      out = model(toks, cache=state, positions=pos, mode="extend", logits_at=last[:, None],
+                  query_scale=self._query_scale)
       d, q = self._pick(out.logits[:, 0], keys[0], ctx.sampling, sample)
       drafts, probs, cache = [d], [q], out.cache
       for i in range(1, k):
         p = (ctx.num_tokens + i - 1)[:, None]
-        out = model(drafts[-1][:, None], cache=cache, positions=p, mode="extend")
+        out = model(drafts[-1][:, None], cache=cache, positions=p, mode="extend", query_scale=self._query_scale)
         d, q = self._pick(out.logits[:, 0], keys[i], ctx.sampling, sample)
         drafts.append(d)
         probs.append(q)
@@ -95,17 +108,22 @@ class StandaloneDrafter:
     return state
 
 
-def standalone_from_model(model, mode: str = "classic", mask_token_id: int | None = None) -> LoadedDrafter:
+def standalone_from_model(model, mode: str = "classic", mask_token_id: int | None = None,
+                          sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
   graphdef, params = nnx.split(model)
+  if sharpdraft is not None and sharpdraft.num_layers != model.cfg.num_hidden_layers:
+    raise ValueError(f"SharpDraft is calibrated for {sharpdraft.num_layers} layers, the drafter has "
+                     f"{model.cfg.num_hidden_layers}; recalibrate with `longspec calibrate-sharpdraft`")
   spec = StandaloneDrafter(graphdef=graphdef, vocab_size=model.cfg.vocab_size, mode=mode,
-                           mask_token_id=mask_token_id if mask_token_id is not None else model.cfg.mask_token_id)
+                           mask_token_id=mask_token_id if mask_token_id is not None else model.cfg.mask_token_id,
+                           sharpdraft=sharpdraft)
   return LoadedDrafter(spec, params)
 
 
-def load_standalone(drafter_dir, mode: str = "classic") -> LoadedDrafter:
+def load_standalone(drafter_dir, mode: str = "classic", sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
   from longspec_jax.hf_io import load_model_dir
   drafter_dir = Path(drafter_dir)
   meta_path = drafter_dir / "drafter.json"
   meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
   model = load_model_dir(drafter_dir)
-  return standalone_from_model(model, mode, meta.get("mask_token_id"))
+  return standalone_from_model(model, mode, meta.get("mask_token_id"), sharpdraft)

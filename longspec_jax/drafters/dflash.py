@@ -1,0 +1,352 @@
+"""DFlash: a block-diffusion drafter conditioned on the target's hidden states.
+
+Context features = RMSNorm(fc(concat of the outputs of the target layers `target_layer_ids`)), one per position
+the target has processed. In every drafter layer they enter only as extra keys/values, through that layer's own
+k_proj / k_norm / v_proj (no query, no MLP), so each position's context K/V is computed once and cached: the
+drafter state is a static [L_d, B, S_max, Hkv, D] cache that grows with the committed prefix (LongSpark later
+replaces it by constant-size views). The block [last verified token, MASK x (B-1)] is embedded with the target's
+frozen embedding at absolute positions, attends bidirectionally to itself and to every cached context row, and
+slot j's final hidden state goes through the target's frozen LM head to draft the token at its own position, so
+one forward drafts B-1 tokens.
+
+Checkpoints use the layout of the public z-lab DFlash drafters: a Qwen3 `config.json` plus
+`dflash_config: {block_size, mask_token_id, target_layer_ids}` and `num_target_layers`; tensors `fc.weight`,
+`hidden_norm.weight`, `layers.{i}.*` (Qwen3 decoder layer names) and `norm.weight`; no embedding or LM head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax.config import ModelConfig
+from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.model import DecoderLayer, Linear, RMSNorm
+from longspec_jax.rope import apply_rope, rope_frequencies
+from longspec_jax.sampling import processed_log_probs
+from pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention
+
+ARCHITECTURE = "DFlashDraftModel"
+DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
+WEIGHTS_FILE = "model.safetensors"
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+  """n target layers evenly spaced from layer 1 to layer L-3 (clamped into [0, L-1] for tiny targets)."""
+  last = num_target_layers - 1
+  start = min(1, last)
+  end = min(max(start, num_target_layers - 3), last)
+  return tuple(int(round(x)) for x in np.linspace(start, end, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+  arch: ModelConfig  # the drafter's decoder layers; hidden size, vocabulary and RoPE are the target's
+  block_size: int  # B: the block is [last verified token, MASK x (B-1)] and drafts B-1 tokens
+  mask_token_id: int
+  target_layer_ids: tuple[int, ...]  # target layers whose OUTPUTS are read (HF hidden_states[i + 1])
+  num_target_layers: int
+
+  def __post_init__(self):
+    if self.block_size < 2:
+      raise ValueError(f"DFlash block_size must be >= 2, got {self.block_size}")
+    if not self.target_layer_ids:
+      raise ValueError("DFlash needs at least one target layer id")
+    bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+    if bad:
+      raise ValueError(f"target_layer_ids {bad} outside the target's layers [0, {self.num_target_layers})")
+    if not 0 <= self.mask_token_id < self.arch.vocab_size:
+      raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.arch.vocab_size})")
+    if self.arch.family != "qwen3":
+      raise ValueError(f"DFlash layers are Qwen3-style; got family {self.arch.family!r}")
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    # Our tap i is the residual stream entering layer i, i.e. the output of layer i-1.
+    return tuple(i + 1 for i in self.target_layer_ids)
+
+  def to_hf_dict(self) -> dict:
+    d = self.arch.to_hf_dict()
+    d.update(architectures=[ARCHITECTURE], num_target_layers=self.num_target_layers, is_causal=False,
+             dflash_config={"block_size": self.block_size, "mask_token_id": self.mask_token_id,
+                            "target_layer_ids": list(self.target_layer_ids)})
+    return d
+
+  @classmethod
+  def from_hf_dict(cls, d: dict) -> "DFlashConfig":
+    d = dict(d)
+    archs = d.get("architectures") or []
+    if archs and ARCHITECTURE not in archs:
+      raise ValueError(f"not a DFlash drafter config: architectures {archs} (expected {ARCHITECTURE})")
+    extra = dict(d.pop("dflash_config", None) or {})
+    for k in DFLASH_KEYS:  # older configs keep them at top level
+      if k in d:
+        extra.setdefault(k, d.pop(k))
+    missing = [k for k in ("target_layer_ids", "mask_token_id") if extra.get(k) is None]
+    if missing:
+      raise ValueError(f"DFlash config lacks {missing} (expected under dflash_config)")
+    if d.pop("is_causal", False):
+      raise ValueError("causal DFlash variants are not supported (is_causal: true)")
+    if "sliding_attention" in (d.get("layer_types") or []):
+      raise ValueError("DFlash variants with sliding-window layers are not supported")
+    unsupported = sorted(k for k in extra if k not in DFLASH_KEYS)
+    if unsupported:  # e.g. DFlash-2's candidate selector / convolutions
+      raise ValueError(f"unsupported dflash_config keys {unsupported}: only plain DFlash is implemented")
+    ntl = d.pop("num_target_layers", None)
+    if ntl is None:
+      raise ValueError("DFlash config lacks num_target_layers")
+    d.setdefault("mask_token_id", extra["mask_token_id"])
+    return cls(arch=ModelConfig.from_hf_dict(d), block_size=int(extra.get("block_size", 16)),
+               mask_token_id=int(extra["mask_token_id"]),
+               target_layer_ids=tuple(int(i) for i in extra["target_layer_ids"]), num_target_layers=int(ntl))
+
+  def check_target(self, target: ModelConfig) -> None:
+    """A drafter reads the target's hidden states and uses its embedding/LM head: the shapes must agree."""
+    problems = []
+    if self.num_target_layers != target.num_hidden_layers:
+      problems.append(f"trained for a {self.num_target_layers}-layer target, this one has "
+                      f"{target.num_hidden_layers}")
+    for name in ("hidden_size", "vocab_size"):
+      if getattr(self.arch, name) != getattr(target, name):
+        problems.append(f"{name} {getattr(self.arch, name)} vs the target's {getattr(target, name)}")
+    if problems:
+      raise ValueError("DFlash drafter does not match the target: " + "; ".join(problems))
+
+
+def dflash_config_for(target: ModelConfig, *, num_layers: int = 2, num_target_taps: int = 5,
+                      block_size: int = 16, **arch_overrides) -> DFlashConfig:
+  """A DFlash config sized for `target`: its hidden size, vocabulary, RoPE and special ids."""
+  if target.mask_token_id is None:
+    raise ValueError("the target config has no mask_token_id; DFlash needs a reserved mask token")
+  arch = target.replace(num_hidden_layers=num_layers, family="qwen3", tie_word_embeddings=True,
+                        attention_bias=False, mlp_bias=False, **arch_overrides)
+  return DFlashConfig(arch=arch, block_size=block_size, mask_token_id=target.mask_token_id,
+                      target_layer_ids=default_target_layer_ids(target.num_hidden_layers, num_target_taps),
+                      num_target_layers=target.num_hidden_layers)
+
+
+class DFlashModel(nnx.Module):
+  def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    a = cfg.arch
+    h = a.hidden_size
+    self.fc = Linear(len(cfg.target_layer_ids) * h, h, ("mlp", "embed"), rngs=rngs)
+    self.hidden_norm = RMSNorm(h, a.rms_norm_eps, rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(a, rngs=rngs) for _ in range(a.num_hidden_layers)])
+    self.norm = RMSNorm(h, a.rms_norm_eps, rngs=rngs)
+    self.cfg = cfg
+    self.dtype = dtype
+
+  def rope(self, positions):
+    return rope_frequencies(self.cfg.arch, jnp.max(positions))
+
+  def context(self, taps):
+    """Target taps [B, T, n, H] -> context features [B, T, H]."""
+    b, t = taps.shape[:2]
+    return self.hidden_norm(self.fc(taps.reshape(b, t, -1).astype(self.dtype)))
+
+  def context_kv(self, feats, positions):
+    """Context features [B, T, H] at positions [B, T] -> per-layer (k, v), each [L_d, B, T, Hkv, D]."""
+    a = self.cfg.arch
+    b, t = feats.shape[:2]
+    inv_freq, scaling = self.rope(positions)
+    ks, vs = [], []
+    for layer in self.layers:
+      attn = layer.self_attn
+      k = attn.k_norm(attn.k_proj(feats).reshape(b, t, a.num_key_value_heads, a.head_dim))
+      ks.append(apply_rope(k, positions, inv_freq, scaling))
+      vs.append(attn.v_proj(feats).reshape(b, t, a.num_key_value_heads, a.head_dim))
+    return jnp.stack(ks), jnp.stack(vs)
+
+  def block_hidden(self, x, positions, attend):
+    """Runs the block x [B, T, H] (embedded) through the layers; attend(layer, q, k, v) -> [B, T, Hq, D] is
+    the attention of the block's queries over the context view plus the block's own keys/values."""
+    rope = self.rope(positions)
+    for li, layer in enumerate(self.layers):
+      q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, rope)
+      x = x + layer.self_attn.out(attend(li, q, k, v))
+      x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return self.norm(x)
+
+
+def target_io(target) -> dict:
+  """The target's frozen embedding (and untied LM head): DFlash embeds its block and reads logits through them."""
+  io = {"embed": target.embed_tokens.embedding[...]}
+  if target.lm_head is not None:
+    io["lm_head"] = target.lm_head.kernel[...]
+  return io
+
+
+def embed_tokens(io, tokens, dtype):
+  return io["embed"][tokens].astype(dtype)
+
+
+def head_logits(io, h):
+  if "lm_head" in io:
+    return jnp.einsum("...h,hv->...v", h, io["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+  return jnp.einsum("...h,vh->...v", h, io["embed"].astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+@flax.struct.dataclass
+class DFlashState:
+  k: jax.Array  # [L_d, B, S_max, Hkv, D] context keys (rows >= length are stale)
+  v: jax.Array
+  length: jax.Array  # [B] context rows = positions the target has processed and committed
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashDrafter:
+  graphdef: nnx.GraphDef
+  cfg: DFlashConfig
+  sharpdraft: object = None  # SharpDraft query scaling (longspec_jax.sharpdraft) or None
+  name: str = "dflash"
+  needs_target_kv: bool = False
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    return self.cfg.taps
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.arch.vocab_size
+
+  def _model(self, params) -> DFlashModel:
+    return nnx.merge(self.graphdef, params["drafter"])
+
+  def init_state(self, params, prefill, max_len):
+    model = self._model(params)
+    b, t = prefill.taps.shape[:2]
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    k, v = model.context_kv(model.context(prefill.taps), pos)
+    shape = k.shape[:2] + (max_len,) + k.shape[3:]
+    kc = jnp.zeros(shape, model.dtype).at[:, :, :t].set(k.astype(model.dtype))
+    vc = jnp.zeros(shape, model.dtype).at[:, :, :t].set(v.astype(model.dtype))
+    return DFlashState(k=kc, v=vc, length=prefill.prompt_lens.astype(jnp.int32))
+
+  def _query_scale(self, layer, q, num_keys):
+    if self.sharpdraft is None:
+      return q
+    n = jnp.broadcast_to(num_keys[:, None], q.shape[:2])
+    return q * self.sharpdraft.query_scale(layer, n)[..., None].astype(q.dtype)
+
+  def block_logits(self, params, state: DFlashState, pending, num_draft: int, record=None):
+    """Logits [B, num_draft, V] for the block anchored at the pending token (position state.length).
+    `record`, a list, receives per-layer pre-softmax logits [B, Hq, B_s, n_ctx + B_s] (unscaled queries)."""
+    bs = self.cfg.block_size
+    if not 1 <= num_draft <= bs - 1:
+      raise ValueError(f"num_draft_tokens {num_draft} is outside [1, {bs - 1}] for a DFlash block of {bs}")
+    model = self._model(params)
+    b = pending.shape[0]
+    toks = jnp.concatenate([pending[:, None], jnp.full((b, bs - 1), self.cfg.mask_token_id, jnp.int32)], 1)
+    pos = state.length[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
+    whole_block = jnp.full((b,), bs, jnp.int32)
+
+    def attend(li, q, k, v):
+      if record is not None:
+        record.append(_logits_over(q, jnp.concatenate([state.k[li].astype(k.dtype), k], 1)))
+      q = self._query_scale(li, q, state.length + bs)
+      o_ctx, lse_ctx = query_scaled_attention(q, state.k[li].astype(q.dtype), state.v[li].astype(q.dtype),
+                                              state.length)
+      o_blk, lse_blk = query_scaled_attention(q, k, v, whole_block)
+      return merge_attention_views([o_ctx, o_blk], [lse_ctx, lse_blk])[0]
+
+    h = model.block_hidden(embed_tokens(params["io"], toks, model.dtype), pos, attend)
+    return head_logits(params["io"], h[:, 1:1 + num_draft])
+
+  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+    pending = jnp.take_along_axis(ctx.tokens, (ctx.num_tokens - 1)[:, None], axis=1)[:, 0]
+    logits = self.block_logits(params, state, pending, num_draft)
+    if not sample:
+      return jnp.argmax(logits, -1).astype(jnp.int32), None, state
+    # Block slots are drafted in parallel: each position is an independent draw from its own q.
+    logq = processed_log_probs(logits, ctx.sampling)
+    drafts = jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)
+    return drafts, jnp.exp(logq), state
+
+  def update(self, params, state, verify):
+    model = self._model(params)
+    b, k1 = verify.taps.shape[:2]
+    pos = verify.start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
+    k, v = model.context_kv(model.context(verify.taps), pos)
+    rows = jnp.arange(b)[:, None]
+    # All K+1 verified rows are written; only the committed ones count (length), the rest get overwritten.
+    kc = state.k.at[:, rows, pos].set(k.astype(state.k.dtype), mode="drop")
+    vc = state.v.at[:, rows, pos].set(v.astype(state.v.dtype), mode="drop")
+    return DFlashState(k=kc, v=vc, length=(verify.num_tokens - 1).astype(jnp.int32))
+
+  def attention_logits(self, params, target, tokens):
+    """Per drafter layer, pre-softmax logits [B, Hq, B_s, N] of the block anchored at the last token of `tokens`
+    [B, T], whose queries see N = (T-1) context rows + the B_s block keys (SharpDraft calibration)."""
+    from longspec_jax.drafters.base import PrefillResult
+    b, t = tokens.shape
+    out = target(tokens[:, :-1], cache=target.init_cache(b, t - 1), mode="prefill", taps=self.taps,
+                 return_logits=False)
+    pre = PrefillResult(prompt_tokens=tokens[:, :-1], tokens=tokens, prompt_lens=jnp.full((b,), t - 1),
+                        taps=out.taps, new_kv=None, target_cache=None)
+    state = self.init_state(params, pre, t - 1)
+    record = []
+    self.block_logits(params, state, tokens[:, -1], 1, record=record)
+    return record
+
+
+def _logits_over(q, k):
+  """q [B, T, Hq, D], k [B, S, Hkv, D] -> [B, Hq, T, S] fp32 logits including 1/sqrt(D)."""
+  hq, hkv = q.shape[2], k.shape[2]
+  kk = jnp.repeat(k, hq // hkv, axis=2)
+  return jnp.einsum("bthd,bshd->bhts", q, kk.astype(q.dtype), preferred_element_type=jnp.float32) * (
+      q.shape[-1] ** -0.5)
+
+
+def dflash_from_model(model: DFlashModel, target, sharpdraft=None) -> LoadedDrafter:
+  model.cfg.check_target(target.cfg)
+  graphdef, state = nnx.split(model)
+  return LoadedDrafter(DFlashDrafter(graphdef=graphdef, cfg=model.cfg, sharpdraft=sharpdraft),
+                       {"drafter": state, "io": target_io(target)})
+
+
+def create_dflash(cfg: DFlashConfig, seed: int = 0, dtype=jnp.float32) -> DFlashModel:
+  return DFlashModel(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+
+
+def save_dflash_dir(model: DFlashModel, out_dir, dtype=np.float32) -> Path:
+  """config.json + model.safetensors in the public DFlash layout (bare tensor names, torch [out, in])."""
+  from safetensors.numpy import save_file
+
+  from longspec_jax.hf_io import to_hf_tensors
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  cfg = model.cfg.to_hf_dict()
+  cfg["torch_dtype"] = np.dtype(dtype).name if dtype != jnp.bfloat16 else "bfloat16"
+  (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+  tensors = to_hf_tensors(model, np.float32, prefix="")
+  if dtype != np.float32:
+    tensors = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in tensors.items()}
+  save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+  return out_dir
+
+
+def load_dflash_model(drafter_dir, dtype=jnp.float32) -> DFlashModel:
+  from longspec_jax.hf_io import _read_tensors, load_params_into
+  drafter_dir = Path(drafter_dir)
+  path = drafter_dir / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"no DFlash config at {path}")
+  try:
+    cfg = DFlashConfig.from_hf_dict(json.loads(path.read_text()))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"corrupt config file {path}: {e}") from e
+  model = nnx.eval_shape(lambda: DFlashModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+  graphdef, abstract = nnx.split(model)
+  model = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract))
+  return load_params_into(model, _read_tensors(drafter_dir), where=f" {drafter_dir}", prefix="")
+
+
+def load_dflash(drafter_dir, target, sharpdraft=None) -> LoadedDrafter:
+  """A DFlash drafter directory (our export or a public z-lab checkpoint) for `target`."""
+  return dflash_from_model(load_dflash_model(drafter_dir), target, sharpdraft)

@@ -1,0 +1,367 @@
+"""EAGLE-3 drafter: one decoder layer over [norm(embed(token)); norm(feature)], chain-drafting K tokens.
+
+Row convention. Drafter row p (RoPE position p) pairs the target's feature at position p with the token at
+position p+1 and predicts the token at p+2. The feature of a real row is fc(concat of the target's residual
+stream at the aux layers, i.e. the inputs of layers ~2, L/2, L-3); a speculative row takes the drafter's own
+output hidden state (pre-norm) of the row before it instead (EAGLE-3's training-time-test convention).
+
+In the engine, with n committed tokens (x_{n-1} pending, not yet in the target cache), rows 0..n-2 are real and
+already in the drafter's KV cache, and the state holds the output hidden state of row n-2. propose() reads draft
+1 from that hidden state, then runs speculative rows n-1, n, ... (one token each) for drafts 2..K. update() runs
+the K+1 verified rows (taps of [pending, drafts] at positions n-1..n+K-1, tokens = the committed block) and keeps
+the hidden state of the last committed row. Rows past the committed ones are junk, but every row a query can see
+(position <= its own) was rewritten in the same chain first, so nothing is ever copied back.
+
+Public layout (EAGLE-3 as in SafeAILab/EAGLE, vLLM and SGLang): `fc.weight` [H, n_aux*H_t],
+`midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`, `midlayer.self_attn.{q,k,v,o}_proj.weight`
+(q/k/v take 2H inputs), `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight`
+[draft_vocab, H], `d2t` (draft id i -> target id i + d2t[i]) and `t2d`; torch Linear weights are [out, in].
+This project's drafters add Qwen3-style `midlayer.self_attn.{q,k}_norm.weight`; checkpoints without them load as
+Llama-style (no q/k norm). The token embedding is always the target's (frozen, never stored here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax.attention import NEG_INF, cached_attention, causal_attention
+from longspec_jax.config import ModelConfig
+from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.kv_cache import KVCache
+from longspec_jax.model import MLP, Linear, RMSNorm
+from longspec_jax.rope import apply_rope, rope_frequencies
+from longspec_jax.sampling import processed_log_probs
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+# config.json keys of the EAGLE-3 layout on top of a Llama config (n0: the context length it was trained at).
+EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
+              "norm_before_residual", "n0")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+  """Low / mid / high layer inputs (vLLM's default (2, L//2, L-3)), clamped into [0, L-1] for tiny targets."""
+  return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+
+
+class Eagle3Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, qk_norm: bool, *, rngs):
+    hd, hq, hkv, h = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+    bias = cfg.attention_bias
+    self.q_proj = Linear(2 * h, hq * hd, ("embed", "q_heads"), bias=bias, rngs=rngs)
+    self.k_proj = Linear(2 * h, hkv * hd, ("embed", "kv_heads"), bias=bias, rngs=rngs)
+    self.v_proj = Linear(2 * h, hkv * hd, ("embed", "kv_heads"), bias=bias, rngs=rngs)
+    self.o_proj = Linear(hq * hd, h, ("q_heads", "embed"), bias=bias, rngs=rngs, std=0.02 / 2 ** 0.5)
+    if qk_norm:
+      self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs, axis="head_dim")
+      self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs, axis="head_dim")
+    else:
+      self.q_norm = self.k_norm = None
+    self.cfg = cfg
+
+  def qkv(self, x, positions, rope):
+    cfg = self.cfg
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq, scaling = rope
+    return apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling), v
+
+
+class Eagle3Layer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, qk_norm: bool, *, rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+    self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+    self.self_attn = Eagle3Attention(cfg, qk_norm, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def inputs(self, embeds, feature):
+    """Attention input [.., 2H] and the residual stream (the un-normed feature)."""
+    return jnp.concatenate([self.input_layernorm(embeds), self.hidden_norm(feature)], axis=-1), feature
+
+  def out(self, residual, o):
+    b, t = o.shape[:2]
+    h = residual + self.self_attn.o_proj(o.reshape(b, t, -1))
+    return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Net(nnx.Module):
+  """Parameters of the EAGLE-3 drafter (attribute names follow the public checkpoint layout)."""
+
+  def __init__(self, cfg: ModelConfig, num_aux: int, target_hidden: int, draft_vocab: int, qk_norm: bool = True,
+               *, rngs: nnx.Rngs):
+    self.fc = Linear(num_aux * target_hidden, cfg.hidden_size, ("taps", "embed"), rngs=rngs)
+    self.midlayer = Eagle3Layer(cfg, qk_norm, rngs=rngs)
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+    self.lm_head = Linear(cfg.hidden_size, draft_vocab, ("embed", "vocab"), rngs=rngs)
+    self.cfg = cfg
+
+  def feature(self, taps):
+    """taps [B, T, n_aux, H_t] -> fc features [B, T, H]."""
+    b, t = taps.shape[:2]
+    return self.fc(taps.reshape(b, t, -1))
+
+  def logits(self, h):
+    """Output hidden (pre-norm) -> fp32 logits over the draft vocabulary."""
+    return self.lm_head(self.norm(h)).astype(jnp.float32)
+
+
+def _scale_queries(q, positions, sharpdraft):
+  """SharpDraft hook: multiply each query by a factor of the number of keys it sees (after q-norm and RoPE)."""
+  if sharpdraft is None:
+    return q
+  scale = sharpdraft.query_scale(0, positions + 1)  # [B, T, Hq] float32
+  return (q.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
+
+
+def run_cached(net: Eagle3Net, embeds, feature, positions, cache: KVCache, mode: str, sharpdraft=None,
+               attn_block: int = 512):
+  """Runs rows [B, T] at `positions` and writes their K/V into the drafter cache. mode "prefill": the rows are
+  positions 0..T-1 (blockwise causal attention); "extend": each sequence's rows at its own positions, attending
+  to every cached row at a position <= the query's. Returns (output hidden [B, T, H], cache)."""
+  layer = net.midlayer
+  x, residual = layer.inputs(embeds, feature)
+  q, k, v = layer.self_attn.qkv(x, positions, rope_frequencies(net.cfg, jnp.max(positions)))
+  q = _scale_queries(q, positions, sharpdraft)
+  if mode == "prefill":
+    ck = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), (0, 0, 0, 0, 0))
+    cv = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), (0, 0, 0, 0, 0))
+    o = causal_attention(q, k, v, block=attn_block)
+  else:
+    rows = jnp.arange(x.shape[0])[:, None]
+    ck = cache.k.at[0, rows, positions].set(k.astype(cache.k.dtype), mode="drop")
+    cv = cache.v.at[0, rows, positions].set(v.astype(cache.v.dtype), mode="drop")
+    o = cached_attention(q, ck[0].astype(q.dtype), cv[0].astype(q.dtype), positions)
+  return layer.out(residual, o), cache.replace(k=ck, v=cv)
+
+
+@flax.struct.dataclass
+class Eagle3State:
+  cache: KVCache  # [1, B, S_max, Hkv, D]; lengths = rows holding real features (= num_tokens - 1)
+  hidden: jax.Array  # [B, H] output hidden state of the last real row (num_tokens - 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+  graphdef: nnx.GraphDef
+  cfg: ModelConfig  # the drafter layer's config (hidden size = the target's)
+  taps: tuple[int, ...]  # the target's aux layer ids (residual stream at the input of those layers)
+  vocab_size: int  # the target's vocabulary
+  draft_vocab_size: int
+  dtype: str = "float32"
+  sharpdraft: object | None = None  # static, hashable; see _scale_queries
+  attn_block: int = 512
+  name: str = "eagle3"
+  needs_target_kv: bool = False
+
+  # params = {"net": nnx.State of Eagle3Net, "embed": the target's [V, H] embedding, "d2t": [draft_vocab] int32}
+  def _net(self, params) -> Eagle3Net:
+    return nnx.merge(self.graphdef, params["net"])
+
+  def _embed(self, params, tokens):
+    return params["embed"][tokens].astype(self.dtype)
+
+  def full_logits(self, params, net: Eagle3Net, h):
+    """Logits over the target vocabulary; a reduced draft vocabulary maps through d2t (other ids: -inf)."""
+    logits = net.logits(h)
+    if self.draft_vocab_size == self.vocab_size:
+      return logits
+    ids = jnp.arange(self.draft_vocab_size) + params["d2t"]
+    full = jnp.full(logits.shape[:-1] + (self.vocab_size,), NEG_INF, jnp.float32)
+    return full.at[..., ids].set(logits)
+
+  def init_state(self, params, prefill, max_len):
+    net = self._net(params)
+    b, t = prefill.prompt_tokens.shape
+    cfg = self.cfg
+    cache = KVCache.zeros(1, b, max_len, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+    toks = prefill.tokens[:, 1:t + 1]  # row p's token is x_{p+1}; the pending token closes the last prompt row
+    feat = net.feature(prefill.taps.astype(self.dtype))
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    h, cache = run_cached(net, self._embed(params, toks), feat, pos, cache, "prefill", self.sharpdraft,
+                          self.attn_block)
+    last = jnp.take_along_axis(h, (prefill.prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    return Eagle3State(cache=cache.replace(lengths=prefill.prompt_lens), hidden=last)
+
+  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+    net = self._net(params)
+    keys = jax.random.split(key, num_draft)
+    h, cache = state.hidden, state.cache
+    row = ctx.num_tokens - 2  # the row whose output is `h`
+    drafts, probs = [], []
+    for i in range(num_draft):
+      logits = self.full_logits(params, net, h)
+      if sample:
+        logq = processed_log_probs(logits, ctx.sampling)
+        d = jax.random.categorical(keys[i], logq, axis=-1).astype(jnp.int32)
+        probs.append(jnp.exp(logq))
+      else:
+        d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      drafts.append(d)
+      if i + 1 < num_draft:
+        out, cache = run_cached(net, self._embed(params, d[:, None]), h[:, None], (row + 1 + i)[:, None], cache,
+                                "extend", self.sharpdraft)
+        h = out[:, 0]
+    return jnp.stack(drafts, 1), (jnp.stack(probs, 1) if sample else None), state.replace(cache=cache)
+
+  def update(self, params, state, verify):
+    net = self._net(params)
+    k1 = verify.committed.shape[1]
+    pos = verify.start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
+    feat = net.feature(verify.taps.astype(self.dtype))
+    h, cache = run_cached(net, self._embed(params, verify.committed), feat, pos, state.cache, "extend",
+                          self.sharpdraft)
+    last = jnp.take_along_axis(h, jnp.maximum(verify.num_committed - 1, 0)[:, None, None], axis=1)[:, 0]
+    hidden = jnp.where((verify.num_committed > 0)[:, None], last.astype(state.hidden.dtype), state.hidden)
+    return Eagle3State(cache=cache.replace(lengths=verify.num_tokens - 1), hidden=hidden)
+
+  def attention_logits(self, params, target, tokens) -> list[jax.Array]:
+    """Pre-softmax attention logits (1/sqrt(d) included, SharpDraft scaling not) of the drafter query that sees
+    exactly N keys, after running the target and the drafter over `tokens` [B, N+1]: drafter rows 0..N-1
+    (row p = feature at p, token p+1); the query of row N-1 sees rows 0..N-1. One [B, Hq, 1, N] per layer."""
+    n = tokens.shape[1] - 1
+    if n < 1:
+      raise ValueError("attention_logits needs tokens [B, N+1] with N >= 1")
+    taps = target(tokens, mode="train", taps=self.taps, return_logits=False).taps
+    net = self._net(params)
+    x, _ = net.midlayer.inputs(self._embed(params, tokens[:, 1:]), net.feature(taps[:, :n].astype(self.dtype)))
+    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), tokens[:, 1:].shape)
+    q, k, _ = net.midlayer.self_attn.qkv(x, pos, rope_frequencies(net.cfg, n - 1))
+    k = jnp.repeat(k, self.cfg.q_per_kv, axis=2)  # query head h reads kv head h // G
+    logits = jnp.einsum("bqhd,bnhd->bhqn", q[:, -1:], k, preferred_element_type=jnp.float32)
+    return [logits * self.cfg.head_dim ** -0.5]
+
+
+# ---- construction, public-layout export and loading -------------------------------------------------------------
+
+def drafter_config(target: ModelConfig, **arch) -> ModelConfig:
+  """The drafter layer's config: the target's hidden size, vocabulary, RoPE and eps; heads / MLP from `arch`."""
+  kw = dict(num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim, intermediate_size=target.intermediate_size)
+  unknown = sorted(set(arch) - set(kw))
+  if unknown:
+    raise ValueError(f"unknown EAGLE-3 architecture keys {unknown}; known: {sorted(kw)}")
+  kw.update(arch)
+  return ModelConfig(family="llama", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                     num_hidden_layers=1, max_position_embeddings=target.max_position_embeddings, rope=target.rope,
+                     rms_norm_eps=target.rms_norm_eps, tie_word_embeddings=False, **kw)
+
+
+def create_eagle3_net(cfg: ModelConfig, target: ModelConfig, aux_layers, draft_vocab: int | None = None,
+                      qk_norm: bool = True, seed: int = 0) -> Eagle3Net:
+  return Eagle3Net(cfg, len(aux_layers), target.hidden_size, draft_vocab or cfg.vocab_size, qk_norm,
+                   rngs=nnx.Rngs(seed))
+
+
+def eagle3_from_net(net: Eagle3Net, target, aux_layers, d2t=None, sharpdraft=None,
+                    dtype: str = "float32") -> LoadedDrafter:
+  """A LoadedDrafter from a built net and the target model (whose frozen embedding the drafter reads)."""
+  graphdef, state = nnx.split(net)
+  draft_vocab = net.lm_head.kernel.shape[1]
+  spec = Eagle3Drafter(graphdef=graphdef, cfg=net.cfg, taps=tuple(int(i) for i in aux_layers),
+                       vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab, dtype=dtype,
+                       sharpdraft=sharpdraft)
+  d2t = jnp.zeros((draft_vocab,), jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32)
+  return LoadedDrafter(spec, {"net": state, "embed": target.embed_tokens.embedding[...], "d2t": d2t})
+
+
+def save_eagle3(net: Eagle3Net, out_dir, aux_layers, target: ModelConfig, *, n0: int | None = None,
+                d2t=None, dtype=jnp.bfloat16) -> Path:
+  """config.json + model.safetensors in the public EAGLE-3 layout."""
+  from safetensors.numpy import save_file
+
+  from longspec_jax.hf_io import to_hf_tensors
+
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  cfg = net.cfg
+  draft_vocab = net.lm_head.kernel.shape[1]
+  hf = cfg.to_hf_dict()
+  hf.update(architectures=[ARCHITECTURE], torch_dtype="bfloat16" if dtype == jnp.bfloat16 else np.dtype(dtype).name,
+            draft_vocab_size=draft_vocab, target_hidden_size=target.hidden_size,
+            eagle_aux_hidden_state_layer_ids=list(aux_layers),  # vLLM reads the top level, SGLang eagle_config
+            eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True})
+  if n0 is not None:
+    hf["n0"] = int(n0)
+  tensors = to_hf_tensors(net, dtype, prefix="")
+  d2t = np.zeros((draft_vocab,), np.int64) if d2t is None else np.asarray(d2t, np.int64)
+  tensors["d2t"] = d2t
+  t2d = np.zeros((cfg.vocab_size,), bool)
+  t2d[np.arange(draft_vocab) + d2t] = True
+  tensors["t2d"] = t2d
+  (out / "config.json").write_text(json.dumps(hf, indent=2))
+  save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+  return out
+
+
+def _aux_ids(extra: dict, num_layers: int) -> tuple[int, ...]:
+  nested = (extra.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+  ids = nested or extra.get("eagle_aux_hidden_state_layer_ids")
+  return tuple(int(i) for i in ids) if ids else default_aux_layers(num_layers)
+
+
+def load_eagle3(drafter_dir, target, sharpdraft=None) -> LoadedDrafter:
+  """Loads an EAGLE-3 directory (public layout) for `target` (a Transformer), validating it against the target."""
+  from longspec_jax.hf_io import _read_tensors, load_params_into
+
+  drafter_dir = Path(drafter_dir)
+  path = drafter_dir / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"no EAGLE-3 config.json in {drafter_dir}")
+  try:
+    d = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"corrupt EAGLE-3 config {path}: {e}") from e
+  extra = {k: d.pop(k) for k in EAGLE_KEYS if k in d}
+  cfg = ModelConfig.from_hf_dict(d)
+  tcfg = target.cfg
+  where = f"EAGLE-3 drafter {drafter_dir}"
+  if cfg.num_hidden_layers != 1:
+    raise ValueError(f"{where} has num_hidden_layers={cfg.num_hidden_layers}; only single-layer EAGLE-3 drafters "
+                     "are supported")
+  if extra.get("norm_before_residual"):
+    raise ValueError(f"{where} sets norm_before_residual=true, which is not supported")
+  if cfg.vocab_size != tcfg.vocab_size:
+    raise ValueError(f"{where} has vocab_size {cfg.vocab_size} but the target's vocabulary is {tcfg.vocab_size}: "
+                     "drafter and target must share one tokenizer")
+  target_hidden = extra.get("target_hidden_size") or cfg.hidden_size
+  if cfg.hidden_size != tcfg.hidden_size or target_hidden != tcfg.hidden_size:
+    raise ValueError(f"{where} has hidden size {cfg.hidden_size} (target_hidden_size {target_hidden}) but the "
+                     f"target's hidden size is {tcfg.hidden_size}: the drafter reads the target's embedding and "
+                     "hidden states, so both must equal it")
+  aux = _aux_ids(extra, tcfg.num_hidden_layers)
+  bad = [i for i in aux if not 0 <= i <= tcfg.num_hidden_layers]
+  if bad:
+    raise ValueError(f"{where}: aux hidden-state layer ids {bad} are outside the target's [0, "
+                     f"{tcfg.num_hidden_layers}]")
+  draft_vocab = int(extra.get("draft_vocab_size") or cfg.vocab_size)
+  if not 0 < draft_vocab <= cfg.vocab_size:
+    raise ValueError(f"{where}: draft_vocab_size {draft_vocab} must be in [1, vocab_size={cfg.vocab_size}]")
+
+  tensors = _read_tensors(drafter_dir)
+  d2t = None
+  if draft_vocab < cfg.vocab_size:
+    if "d2t" not in tensors:
+      raise ValueError(f"{where} has a reduced draft vocabulary ({draft_vocab}) but no d2t tensor")
+    d2t = np.asarray(tensors["d2t"], np.int64)
+    ids = np.arange(draft_vocab) + d2t if d2t.shape == (draft_vocab,) else np.asarray([-1])
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size or len(set(ids.tolist())) != draft_vocab:
+      raise ValueError(f"{where}: d2t must map the {draft_vocab} draft ids to distinct target ids in "
+                       f"[0, {cfg.vocab_size})")
+  qk_norm = "midlayer.self_attn.q_norm.weight" in tensors
+  net = nnx.eval_shape(lambda: create_eagle3_net(cfg, tcfg, aux, draft_vocab, qk_norm))
+  graphdef, abstract = nnx.split(net)
+  net = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract))
+  load_params_into(net, tensors, where=f" {drafter_dir}", prefix="")
+  return eagle3_from_net(net, target, aux, d2t, sharpdraft)

@@ -1,0 +1,279 @@
+"""`longspec train-drafter --drafter dflash`: the DFlash block drafter, trained on the target's own generations.
+
+Each training window (a data row: corpus prompt + the target's continuation, at most `context_len` = n0 tokens)
+is run once through the frozen target for its hidden-state taps. A anchors are drawn per window in the
+continuation; anchor a's block is [x_a, MASK x (B-1)] at positions a..a+B-1, sees the context features of
+positions < a and its own block only (bidirectionally), and slot k is trained to predict x_{a+k} with weight
+exp(-(k-1)/gamma): early slots matter most, since a draft is only accepted after all the ones before it. All A
+blocks of a window share one context K/V computation and one attention call with a block-diagonal mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax import sharding as shd
+from longspec_jax.attention import masked_attention
+from longspec_jax.drafters.dflash import (DFlashModel, create_dflash, dflash_config_for, embed_tokens,
+                                          head_logits, save_dflash_dir, target_io)
+from longspec_jax.hf_io import load_model_dir
+from longspec_jax.model import param_count
+from training.drafter_data import load_drafter_data, target_name, weights_sha256
+from training.losses import cross_entropy
+from training.train_drafter import _target_config
+from training.trainer import OptimConfig, make_optimizer, make_train_step, start_or_resume, train_loop
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashTrainConfig:
+  data_dirs: tuple[str, ...] = ("runs/drafter_data",)
+  target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
+  out_dir: str = "runs/drafter_dflash"
+  num_layers: int = 2  # drafter decoder layers
+  num_target_taps: int = 5  # target layers read, evenly spaced from 1 to L-3
+  block_size: int = 16
+  context_len: int = 512  # n0: the longest window trained on (the data rows are at most this long)
+  anchors_per_window: int = 16
+  gamma: float = 7.0  # slot-weight decay exp(-(k-1)/gamma)
+  batch_size: int = 8
+  steps: int = 600
+  optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
+  val_fraction: float = 0.05
+  val_windows: int = 64
+  seed: int = 0
+  compute_dtype: str = "bfloat16"
+  checkpoint_every_minutes: float = 5.0
+  log_every: int = 10
+  mesh_data: int = 0  # 0 = all devices
+  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
+
+  def __post_init__(self):
+    for name in ("num_layers", "num_target_taps", "context_len", "anchors_per_window", "batch_size", "steps",
+                 "val_windows"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.block_size < 2 or self.gamma <= 0 or not 0 <= self.val_fraction < 1:
+      raise ValueError(f"need block_size >= 2, gamma > 0 and 0 <= val_fraction < 1, got {self.block_size}, "
+                       f"{self.gamma}, {self.val_fraction}")
+    if not self.data_dirs:
+      raise ValueError("data_dirs is empty")
+
+
+class BlockSampler:
+  """Windows + anchors + block labels; the batch for step s is a pure function of (seed, s), so a resumed run
+  replays the same batches. rows: (tokens, prompt length)."""
+
+  def __init__(self, rows: list[tuple[list[int], int]], cfg: DFlashTrainConfig, pad_id: int, seed: int):
+    rows = [(r, p) for r, p in rows if len(r) >= 3]
+    if not rows:
+      raise ValueError("no drafter data row has the 3+ tokens a DFlash block needs")
+    self.lens = np.asarray([len(r) for r, _ in rows])
+    self.prompt_lens = np.asarray([p for _, p in rows])
+    self.tokens = np.full((len(rows), int(self.lens.max())), pad_id, np.int32)
+    for i, (r, _) in enumerate(rows):
+      self.tokens[i, :len(r)] = r
+    self.cfg, self.seed, self.pad_id = cfg, seed, pad_id
+    self.slot_weight = np.exp(-np.arange(cfg.block_size - 1) / cfg.gamma).astype(np.float32)
+
+  def __len__(self):
+    return len(self.lens)
+
+  def batch(self, step: int, batch_size: int) -> dict:
+    cfg = self.cfg
+    c, bs, a = cfg.context_len, cfg.block_size, cfg.anchors_per_window
+    rng = np.random.default_rng([self.seed, step])
+    rows = rng.integers(0, len(self.lens), size=batch_size)
+    # Longer rows: a window that keeps the start of the continuation when possible.
+    offs = np.asarray([rng.integers(0, max(self.lens[r] - c, 0) + 1) for r in rows])
+    valid = np.minimum(self.lens[rows] - offs, c)
+    cols = np.minimum(offs[:, None] + np.arange(c)[None, :], self.tokens.shape[1] - 1)
+    toks = np.where(np.arange(c)[None, :] < valid[:, None], np.take_along_axis(self.tokens[rows], cols, 1),
+                    self.pad_id).astype(np.int32)
+    # Anchors in the target's continuation (from the last prompt token on), each with >= 1 real label.
+    lo = np.clip(self.prompt_lens[rows] - 1 - offs, 1, valid - 2)
+    anchors = (lo[:, None] + rng.random((batch_size, a)) * (valid - 1 - lo)[:, None]).astype(np.int32)
+    tgt_pos = anchors[..., None] + np.arange(1, bs)[None, None, :]
+    labels = np.take_along_axis(toks[:, None, :], np.minimum(tgt_pos, c - 1), axis=2)
+    weights = (tgt_pos < valid[:, None, None]) * self.slot_weight[None, None, :]
+    return {"tokens": toks, "anchors": anchors, "labels": labels, "label_w": weights.astype(np.float32)}
+
+
+def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors):
+  """Logits [B, A, B_s-1, V] of every anchor's block in one pass: queries of anchor a see context rows < a and
+  their own block (bidirectional)."""
+  cfg = model.cfg
+  b, c = tokens.shape
+  a, bs = anchors.shape[1], cfg.block_size
+  ck, cv = model.context_kv(model.context(taps), jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)))
+  anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
+  blk = jnp.concatenate([anchor_tok[..., None], jnp.full((b, a, bs - 1), cfg.mask_token_id, jnp.int32)], -1)
+  pos = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, a * bs)
+  q_anchor = jnp.repeat(anchors, bs, axis=1)  # [B, A*B_s]
+  group = jnp.repeat(jnp.arange(a), bs)
+  visible = jnp.concatenate([
+      jnp.arange(c)[None, None, :] < q_anchor[:, :, None],
+      jnp.broadcast_to(group[:, None] == group[None, :], (b, a * bs, a * bs))], axis=-1)
+
+  def attend(li, q, k, v):
+    return masked_attention(q, jnp.concatenate([ck[li].astype(k.dtype), k], 1),
+                            jnp.concatenate([cv[li].astype(v.dtype), v], 1), visible)
+
+  h = model.block_hidden(embed_tokens(io, blk.reshape(b, a * bs), model.dtype), pos, attend)
+  return head_logits(io, h.reshape(b, a, bs, -1)[:, :, 1:])
+
+
+def dflash_loss(model, batch):
+  logits = dflash_train_logits(model, batch["io"], batch["taps"], batch["tokens"], batch["anchors"])
+  loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
+  hit = (jnp.argmax(logits, -1) == batch["labels"]) & (batch["label_w"] > 0)
+  return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(batch["label_w"][..., 0] > 0), 1)}
+
+
+def _load_rows(cfg: DFlashTrainConfig):
+  """(train rows, val rows, target dir, target config, manifests); held-out rows are whole sequences."""
+  rows, manifests, target = [], [], None
+  for d in cfg.data_dirs:
+    ds, manifest = load_drafter_data(d)
+    target_dir, t = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=d), manifest)
+    if target is not None and t.vocab_size != target[1].vocab_size:
+      raise ValueError(f"drafter data dirs {cfg.data_dirs} come from targets with different vocabularies")
+    target = target or (target_dir, t)
+    manifests.append(manifest)
+    rows += [(list(p) + list(c), len(p)) for p, c in zip(ds["prompt"], ds["continuation"])]
+  top = max(max(r) for r, _ in rows)
+  if top >= target[1].vocab_size:
+    raise ValueError(f"drafter data has token id {top} >= the target's vocab_size {target[1].vocab_size}")
+  order = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
+  n_val = int(round(cfg.val_fraction * len(rows)))
+  if n_val >= len(rows):
+    raise ValueError(f"val_fraction {cfg.val_fraction} leaves no training rows out of {len(rows)}")
+  return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]], target[0], target[1], manifests
+
+
+def make_tap_fn(target, taps):
+  """Jitted frozen-target forward: tokens [B, C] -> taps [B, C, n, H]."""
+  graphdef, params = nnx.split(target)
+
+  @jax.jit
+  def fn(p, tokens):
+    return nnx.merge(graphdef, p)(tokens, mode="train", taps=taps, return_logits=False).taps
+  return lambda tokens: fn(params, tokens)
+
+
+def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
+  """Trains DFlash; returns the exported drafter directory (or the checkpoint dir when stopped early)."""
+  train_rows, val_rows, target_dir, target_cfg, manifests = _load_rows(cfg)
+  target = load_model_dir(target_dir)
+  dcfg = dflash_config_for(target_cfg, num_layers=cfg.num_layers, num_target_taps=cfg.num_target_taps,
+                           block_size=cfg.block_size)
+  pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
+  sampler = BlockSampler(train_rows, cfg, pad_id, cfg.seed)
+
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+  model = create_dflash(dcfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype))
+  print(f"DFlash drafter: {param_count(model) / 1e6:.2f}M parameters (+ the target's frozen embedding/head), "
+        f"{len(train_rows)} train / {len(val_rows)} val rows, target layers {dcfg.target_layer_ids}, block "
+        f"{cfg.block_size}, window {cfg.context_len} x {cfg.anchors_per_window} anchors")
+
+  mesh = shd.make_mesh(cfg.mesh_data or None)
+  if cfg.batch_size % mesh.shape["data"]:
+    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
+  graphdef, params = nnx.split(model)
+  optimizer = make_optimizer(cfg.optim, cfg.steps)
+  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
+
+  data_sharding = shd.batch_sharding(mesh)
+  io = jax.device_put(target_io(target), shd.replicated(mesh))
+  tap_fn = make_tap_fn(target, dcfg.taps)
+
+  def batch_fn(step):
+    batch = jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding)
+    return dict(batch, taps=tap_fn(batch["tokens"]), io=io)
+
+  def loss_fn(p, batch):
+    return dflash_loss(nnx.merge(graphdef, p), batch)
+
+  end = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
+  t0 = time.time()
+  with jax.set_mesh(mesh):
+    state = train_loop(state, make_train_step(loss_fn, optimizer), batch_fn, end, ckpt, out / "train_log.jsonl",
+                       log_every=cfg.log_every, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
+                       desc="train-drafter dflash")
+  ckpt.close()
+  if end < cfg.steps:
+    print(f"stopped after step {end} of {cfg.steps}; rerun the same command to continue")
+    return out / "checkpoints"
+  trained = nnx.merge(graphdef, state.params)
+  return export_dflash(trained, cfg, target, target_dir, manifests, val_rows, pad_id, time.time() - t0)
+
+
+def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows, pad_id: int) -> dict:
+  """Held-out rows: block CE, top-1 per slot, and the mean number of leading correct slots (= greedy acceptance
+  length where the row is the target's greedy output)."""
+  if not rows:
+    return {}
+  sampler = BlockSampler(rows, dataclasses.replace(cfg, gamma=1e9), pad_id, seed=cfg.seed + 1)  # flat weights
+  bs = min(cfg.batch_size, cfg.val_windows)
+  graphdef, params = nnx.split(model)
+  io = target_io(target)
+  tap_fn = make_tap_fn(target, model.cfg.taps)
+
+  @jax.jit
+  def stats(params, batch, taps):
+    logits = dflash_train_logits(nnx.merge(graphdef, params), io, taps, batch["tokens"], batch["anchors"])
+    ce, n = cross_entropy(logits, batch["labels"], batch["label_w"])
+    hit = jnp.argmax(logits, -1) == batch["labels"]
+    real = batch["label_w"] > 0
+    full = jnp.all(real, axis=-1)  # blocks whose every slot has a label
+    lead = jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1)
+    return (ce * n, n, jnp.sum(hit & real, (0, 1)), jnp.sum(real, (0, 1)), jnp.sum(lead * full), jnp.sum(full))
+
+  acc = None
+  for i in range(-(-cfg.val_windows // bs)):
+    batch = sampler.batch(i, bs)
+    part = stats(params, batch, tap_fn(jnp.asarray(batch["tokens"])))
+    acc = part if acc is None else tuple(x + y for x, y in zip(acc, part))
+  ce_sum, n, hits, real, lead, full = (np.asarray(x, np.float64) for x in acc)
+  return {"val_block_ce": round(float(ce_sum / n), 4),
+          "val_top1_per_slot": [round(float(h), 4) for h in hits / np.maximum(real, 1)],
+          "val_mean_leading_correct": round(float(lead / max(full, 1)), 4)}
+
+
+def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target, target_dir: Path, manifests, val_rows,
+                  pad_id: int, train_s: float) -> Path:
+  out = Path(cfg.out_dir)
+  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
+  last = log[-1] if log else {}
+  final = save_dflash_dir(model, out / "final", dtype=jnp.bfloat16)
+  info = {
+      "kind": "dflash",
+      "n0": cfg.context_len,
+      "block_size": cfg.block_size,
+      "target_layer_ids": list(model.cfg.target_layer_ids),
+      "target": target_name(target_dir),
+      "target_weights_sha256": weights_sha256(target_dir),
+      "data": [{"dir": Path(d).name, **m["counts"], "temperature": m["settings"]["temperature"],
+                "greedy_fraction": m["settings"]["greedy_fraction"]} for d, m in zip(cfg.data_dirs, manifests)],
+      "steps": cfg.steps,
+      "batch_size": cfg.batch_size,
+      "anchors_per_window": cfg.anchors_per_window,
+      "gamma": cfg.gamma,
+      "tokens_seen": last.get("tokens"),
+      "final_loss": last.get("loss"),
+      "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
+      "parameters": param_count(model),
+      **validation_metrics(model, target, cfg, val_rows, pad_id),
+  }
+  (final / "drafter.json").write_text(json.dumps(info, indent=2))
+  return final

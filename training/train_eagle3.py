@@ -1,0 +1,319 @@
+"""`longspec train-drafter --drafter eagle3`: the EAGLE-3 drafter trained with training-time test (TTT) on the
+target's own generations.
+
+A window of W tokens runs through the frozen target (taps at the aux layers, no gradient). Drafter rows p = 0..W-2
+follow the inference convention of longspec_jax.drafters.eagle3 (row p: feature at p, token x_{p+1}). Step 0 is
+the plain teacher-forced pass (features from the target) predicting x_{p+2}. Step j >= 1 re-runs every row with
+the drafter's own output hidden state of step j-1 as the feature and token x_{p+1+j}, at RoPE position p+j,
+predicting x_{p+2+j}: exactly the j-th speculative row of a chain that started at row p. Its query sees the step-0
+keys of rows <= p (the real rows a chain starting at p sees) and the keys of steps 1..j at its own row (the chain's
+earlier speculative rows). Loss = sum_j decay^j CE_j / sum_j decay^j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax import sharding as shd
+from longspec_jax.attention import NEG_INF
+from longspec_jax.drafters.eagle3 import (Eagle3Net, create_eagle3_net, default_aux_layers, drafter_config,
+                                          save_eagle3)
+from longspec_jax.model import param_count
+from longspec_jax.rope import rope_frequencies
+from training.drafter_data import load_drafter_data, target_name, weights_sha256
+from training.train_drafter import _split_rows, _target_config
+from training.trainer import OptimConfig, make_optimizer, make_train_step, start_or_resume, train_loop
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3TrainConfig:
+  # make-drafter-data outputs; incomplete ones (no manifest.json + dataset/) are skipped, at least one must exist
+  data_dirs: tuple[str, ...] = ("runs/drafter_data",)
+  target_dir: str = ""  # "" = the target recorded in the data's manifest
+  out_dir: str = "runs/drafter_eagle3"
+  model: dict = dataclasses.field(default_factory=dict)  # heads / head_dim / intermediate_size overrides
+  aux_layers: tuple[int, ...] = ()  # () = default_aux_layers(L)
+  context_len: int = 512  # W: tokens per training window (n0, the context the drafter is trained at)
+  ttt_steps: int = 4  # unrolled drafting steps per window
+  step_decay: float = 0.8  # weight of step j = step_decay ** j
+  batch_size: int = 8
+  steps: int = 500
+  optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
+  val_fraction: float = 0.05
+  val_windows: int = 64
+  seed: int = 0
+  compute_dtype: str = "bfloat16"
+  attn_block: int = 512
+  checkpoint_every_minutes: float = 5.0
+  log_every: int = 10
+  mesh_data: int = 0  # 0 = all devices
+  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
+
+  def __post_init__(self):
+    for name in ("context_len", "ttt_steps", "batch_size", "steps", "val_windows"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.context_len < self.ttt_steps + 2:
+      raise ValueError(f"context_len ({self.context_len}) must be >= ttt_steps + 2 ({self.ttt_steps + 2})")
+    if not 0 < self.step_decay <= 1 or not 0 <= self.val_fraction < 1:
+      raise ValueError(f"need 0 < step_decay <= 1 and 0 <= val_fraction < 1, got {self.step_decay}, "
+                       f"{self.val_fraction}")
+    if not self.data_dirs:
+      raise ValueError("data_dirs is empty")
+
+
+class Windows:
+  """Windows of W tokens from the data rows (row start unless the row is longer); batch s is a pure function of
+  (seed, s), so a resumed run replays the same batches."""
+
+  def __init__(self, rows: list[list[int]], width: int, pad_id: int, seed: int):
+    rows = [r for r in rows if len(r) >= 3]
+    if not rows:
+      raise ValueError("no drafter data row has the 3+ tokens an EAGLE-3 training window needs")
+    self.lens = np.asarray([len(r) for r in rows])
+    self.tokens = np.full((len(rows), max(int(self.lens.max()), width)), pad_id, np.int32)
+    for i, r in enumerate(rows):
+      self.tokens[i, :len(r)] = r
+    self.width, self.seed = width, seed
+
+  def batch(self, step: int, batch_size: int) -> dict:
+    rng = np.random.default_rng([self.seed, step])
+    rows = rng.integers(0, len(self.lens), size=batch_size)
+    offs = np.asarray([rng.integers(0, max(self.lens[r] - self.width, 0) + 1) for r in rows])
+    cols = offs[:, None] + np.arange(self.width)[None, :]
+    toks = np.take_along_axis(self.tokens[rows], cols, axis=1)
+    valid = np.minimum(self.lens[rows] - offs, self.width).astype(np.int32)
+    return {"tokens": toks, "valid": valid}
+
+
+def _ttt_attention(q, k0, v0, diag_k, diag_v):
+  """q [B, T, Hq, D]; step-0 keys/values k0/v0 [B, T, Hkv, D] seen causally; diag_k/v: lists of [B, T, Hkv, D]
+  keys/values each seen only by the query of the same row."""
+  b, t, hq, d = q.shape
+  hkv = k0.shape[2]
+  qg = q.reshape(b, t, hkv, hq // hkv, d)
+  scale = d ** -0.5
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, NEG_INF)
+  sd = [jnp.einsum("btkgd,btkd->bkgt", qg, k, preferred_element_type=jnp.float32)[..., None] * scale
+        for k in diag_k]
+  p = jax.nn.softmax(jnp.concatenate([s, *sd], axis=-1), axis=-1)
+  o = jnp.einsum("bkgts,bskd->btkgd", p[..., :t].astype(v0.dtype), v0, preferred_element_type=jnp.float32)
+  for i, v in enumerate(diag_v):
+    o = o + jnp.einsum("bkgt,btkd->btkgd", p[..., t + i].astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _shifted(tokens, shift: int, pad_id: int):
+  """tokens[:, shift:] right-padded back to the same width."""
+  return jnp.concatenate([tokens[:, shift:], jnp.full((tokens.shape[0], shift), pad_id, tokens.dtype)], axis=1)
+
+
+def ttt_forward(net: Eagle3Net, embed, tokens, taps, num_steps: int, pad_id: int = 0):
+  """The unrolled TTT pass. tokens [B, W], taps [B, W, n_aux, H_t] (the target at every position), embed the
+  target's [V, H] table. Returns a list over steps of (output hidden [B, W-1, H], targets [B, W-1]); row p of
+  step j predicts targets[:, p] = x_{p+2+j}."""
+  b, w = tokens.shape
+  r = w - 1
+  dtype = taps.dtype
+  pos = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (b, r))
+  rope = rope_frequencies(net.cfg, r + num_steps)
+  layer = net.midlayer
+  feat = net.feature(taps[:, :r])
+  k0 = v0 = None
+  diag_k, diag_v, out = [], [], []
+  for j in range(num_steps):
+    toks = _shifted(tokens, 1 + j, pad_id)[:, :r]
+    x, residual = layer.inputs(embed[toks].astype(dtype), feat)
+    q, k, v = layer.self_attn.qkv(x, pos + j, rope)
+    if j == 0:
+      k0, v0 = k, v
+    else:
+      diag_k.append(k)
+      diag_v.append(v)
+    h = layer.out(residual, _ttt_attention(q, k0, v0, diag_k, diag_v))
+    out.append((h, _shifted(tokens, 2 + j, pad_id)[:, :r]))
+    feat = h
+  return out
+
+
+def _head_stats(net: Eagle3Net, h, targets, weights):
+  """(summed CE, summed top-1 hits) of one step."""
+  logits = net.logits(h)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  hit = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  return jnp.sum(nll * weights), jnp.sum(hit * weights)
+
+
+def ttt_stats(net: Eagle3Net, target, batch, num_steps: int, aux_layers, pad_id: int):
+  """Per-step (CE sum, hits, weight) arrays [num_steps] for a batch; the target is frozen (stop_gradient)."""
+  tokens, valid = batch["tokens"], batch["valid"]
+  taps = jax.lax.stop_gradient(target(tokens, mode="train", taps=aux_layers, return_logits=False).taps)
+  embed = jax.lax.stop_gradient(target.embed_tokens.embedding[...])
+  r = tokens.shape[1] - 1
+  ce, hits, wsum = [], [], []
+  for j, (h, tgt) in enumerate(ttt_forward(net, embed, tokens, taps, num_steps, pad_id)):
+    w = (jnp.arange(r)[None, :] + 2 + j < valid[:, None]).astype(jnp.float32)
+    c, n_hit = _head_stats(net, h, tgt, w)
+    ce.append(c)
+    hits.append(n_hit)
+    wsum.append(jnp.sum(w))
+  return jnp.stack(ce), jnp.stack(hits), jnp.stack(wsum)
+
+
+def ttt_loss(net, target, batch, num_steps: int, decay: float, aux_layers, pad_id: int):
+  ce, hits, w = ttt_stats(net, target, batch, num_steps, aux_layers, pad_id)
+  per_step = ce / jnp.maximum(w, 1.0)
+  step_w = decay ** jnp.arange(num_steps, dtype=jnp.float32)
+  loss = jnp.sum(step_w * per_step) / jnp.sum(step_w)
+  acc = hits / jnp.maximum(w, 1.0)
+  metrics = {f"ce_{j}": per_step[j] for j in range(num_steps)}
+  metrics.update({f"acc_{j}": acc[j] for j in range(num_steps)})
+  return loss, metrics
+
+
+def _load_data(cfg: Eagle3TrainConfig):
+  """[(dir, dataset, manifest)] of the complete data dirs, all generated by one target."""
+  found, skipped = [], []
+  for d in cfg.data_dirs:
+    if (Path(d) / "manifest.json").exists() and (Path(d) / "dataset").exists():
+      ds, manifest = load_drafter_data(d)
+      found.append((d, ds, manifest))
+    else:
+      skipped.append(d)
+  if not found:
+    raise FileNotFoundError(f"none of the drafter data dirs {list(cfg.data_dirs)} is complete (manifest.json + "
+                            "dataset/); run `longspec make-drafter-data --out DIR`")
+  if skipped:
+    print(f"skipping incomplete drafter data dirs {skipped}")
+  shas = {m["target"]["weights_sha256"] for _, _, m in found}
+  if len(shas) > 1:
+    raise ValueError(f"the drafter data dirs {[d for d, _, _ in found]} were generated by different targets")
+  return found
+
+
+def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
+  """Trains the EAGLE-3 drafter; returns the exported directory (or the checkpoint dir when stopped early)."""
+  from longspec_jax.hf_io import load_model_dir
+
+  data = _load_data(cfg)
+  first_dir, _, manifest = data[0]
+  target_dir, target_cfg = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=first_dir),
+                                          manifest)
+  train_rows, val_rows = [], []
+  for _, ds, _ in data:
+    tr, va = _split_rows(ds, cfg, target_cfg.vocab_size)
+    train_rows += tr
+    val_rows += va
+  pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
+  sampler = Windows(train_rows, cfg.context_len, pad_id, cfg.seed)
+  aux = tuple(cfg.aux_layers) or default_aux_layers(target_cfg.num_hidden_layers)
+
+  dtype = jnp.dtype(cfg.compute_dtype)
+  target = load_model_dir(target_dir, dtype=dtype, attn_block=cfg.attn_block)
+  net = create_eagle3_net(drafter_config(target_cfg, **cfg.model), target_cfg, aux, seed=cfg.seed)
+  # Start the drafter's own LM head from the target's (tied: the embedding): its logits begin sensible.
+  head = target.embed_tokens.embedding[...].T if target.lm_head is None else target.lm_head.kernel[...]
+  net.lm_head.kernel[...] = jnp.asarray(head, jnp.float32)
+
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "train_config.json").write_text(json.dumps(
+      {**dataclasses.asdict(cfg), "data_dirs_used": [d for d, _, _ in data]}, indent=2))
+  print(f"EAGLE-3 drafter: {param_count(net) / 1e6:.2f}M parameters, aux layers {aux}, {len(train_rows)} train / "
+        f"{len(val_rows)} val rows from {[d for d, _, _ in data]}, window {cfg.context_len}, "
+        f"{cfg.ttt_steps} TTT steps")
+
+  mesh = shd.make_mesh(cfg.mesh_data or None)
+  if cfg.batch_size % mesh.shape["data"]:
+    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
+  graphdef, params = nnx.split(net)
+  tgraph, tparams = nnx.split(target)
+  optimizer = make_optimizer(cfg.optim, cfg.steps)
+  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
+
+  def loss_fn(p, batch):
+    # The frozen target travels in the batch (replicated), so it is an argument of the step, not a constant.
+    return ttt_loss(nnx.merge(graphdef, p), nnx.merge(tgraph, batch["target"]), batch, cfg.ttt_steps,
+                    cfg.step_decay, aux, pad_id)
+
+  data_sharding = shd.batch_sharding(mesh)
+  frozen = jax.device_put(tparams, shd.replicated(mesh))
+
+  def batch_fn(step):
+    return {**jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding), "target": frozen}
+
+  end = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
+  t0 = time.time()
+  with jax.set_mesh(mesh):
+    state = train_loop(state, make_train_step(loss_fn, optimizer), batch_fn, end, ckpt, out / "train_log.jsonl",
+                       log_every=cfg.log_every, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
+                       desc="train-eagle3")
+  ckpt.close()
+  if end < cfg.steps:
+    print(f"stopped after step {end} of {cfg.steps}; rerun the same command to continue")
+    return out / "checkpoints"
+  trained = nnx.merge(graphdef, jax.device_get(state.params))
+  return export_eagle3(trained, target, cfg, aux, target_dir, data, val_rows, pad_id, time.time() - t0)
+
+
+def validation_metrics(net, target, cfg: Eagle3TrainConfig, aux, rows, pad_id: int) -> dict:
+  """CE and top-1 accuracy per TTT step on held-out rows (step j: the (j+1)-th draft of a chain whose earlier
+  drafts were right), a proxy for per-position acceptance on the target's own text."""
+  if not rows:
+    return {}
+  sampler = Windows(rows, cfg.context_len, pad_id, cfg.seed + 1)
+  bs = min(cfg.batch_size, cfg.val_windows)
+  graphdef, params = nnx.split(net)
+  tgraph, tparams = nnx.split(target)
+  stats = jax.jit(lambda p, tp, b: ttt_stats(nnx.merge(graphdef, p), nnx.merge(tgraph, tp), b, cfg.ttt_steps,
+                                             aux, pad_id))
+  acc = None
+  for i in range(-(-cfg.val_windows // bs)):
+    part = stats(params, tparams, sampler.batch(i, bs))
+    acc = part if acc is None else tuple(x + y for x, y in zip(acc, part))
+  ce, hits, w = (np.asarray(x, np.float64) for x in acc)
+  return {"val_ce_per_step": [round(float(x), 4) for x in ce / np.maximum(w, 1)],
+          "val_top1_per_step": [round(float(x), 4) for x in hits / np.maximum(w, 1)]}
+
+
+def export_eagle3(net, target, cfg: Eagle3TrainConfig, aux, target_dir: Path, data, val_rows, pad_id: int,
+                  train_s: float) -> Path:
+  """Public-layout directory (bf16) plus drafter.json describing how it was trained."""
+  out = Path(cfg.out_dir)
+  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
+  last = log[-1] if log else {}
+  final = save_eagle3(net, out / "final", aux, target.cfg, n0=cfg.context_len)
+  info = {
+      "kind": "eagle3",
+      "target": target_name(target_dir),
+      "target_weights_sha256": weights_sha256(target_dir),
+      "aux_layers": list(aux),
+      "n0": cfg.context_len,
+      "train_max_len": cfg.context_len + cfg.ttt_steps - 2,  # largest RoPE position + 1 seen in training
+      "data": [{"dir": str(Path(d).resolve()), **m["counts"], "temperature": m["settings"]["temperature"],
+                "greedy_fraction": m["settings"]["greedy_fraction"]} for d, _, m in data],
+      "steps": cfg.steps,
+      "batch_size": cfg.batch_size,
+      "ttt_steps": cfg.ttt_steps,
+      "step_decay": cfg.step_decay,
+      "tokens_seen": last.get("tokens"),
+      "final_loss": last.get("loss"),
+      "final_ce_per_step": [last.get(f"ce_{j}") for j in range(cfg.ttt_steps)],
+      "final_train_acc_per_step": [last.get(f"acc_{j}") for j in range(cfg.ttt_steps)],
+      "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
+      "parameters": param_count(net),
+      **validation_metrics(net, target, cfg, aux, val_rows, pad_id),
+  }
+  (final / "drafter.json").write_text(json.dumps(info, indent=2))
+  return final
