@@ -18,6 +18,7 @@ from longspec_jax.drafters.base import PrefillResult, ProposeContext, state_nbyt
 from longspec_jax.sampling import SamplingParams
 
 BATCH_STRIDE = 64  # batch element b starts b * BATCH_STRIDE tokens into the file
+MIN_DECODE_FRACTION = 0.1  # decode time (full - prefill-only) below this share of the full call is noise
 
 
 def bench_prompts(ids: list[int], context: int, batch: int, bos: int | None) -> list[list[int]]:
@@ -85,7 +86,10 @@ def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
   _, t_prefill = _timed(lambda: run(1), repeats)
   res, t_full = _timed(lambda: run(new_tokens), repeats)
   n_new = sum(len(t) for t in res.tokens)
-  return res, n_new / max(t_full - t_prefill, 1e-9), t_prefill
+  if t_full - t_prefill < MIN_DECODE_FRACTION * t_full:
+    # Decoding took less time than the noise of the prefill-only timing: no honest rate can be given.
+    return res, None, t_prefill
+  return res, n_new / (t_full - t_prefill), t_prefill
 
 
 def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
@@ -112,7 +116,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
     sp = SamplingParams.make(temperature, top_k, top_p)
     draft_ms, verify_ms, state_bytes = profile_step(model, drafter, prompts, num_draft, sp)
     out.update(tau=res.stats["tau"], accept_per_position=res.stats["accept_per_position"],
-               target_forwards=res.target_forwards, tokens_per_s=tps, speedup=tps / ar_tps,
+               target_forwards=res.target_forwards, tokens_per_s=tps,
+               speedup=tps / ar_tps if tps and ar_tps else None,
                prefill_ms=1000 * prefill, draft_ms_per_step=draft_ms, verify_ms_per_step=verify_ms,
                drafter_state_bytes=state_bytes,
                exact_match_ar=(res.tokens == ar.tokens) if temperature == 0 else None)

@@ -50,7 +50,8 @@ def exact_rho(n, n0, delta, sigma, k):
     rho = 2 C / (Delta + sqrt(Delta^2 - 2 sigma^2 C)),  C = Delta - sigma^2/2 + ln((n-k)/(n0-k))
   (the smaller root, rationalised so sigma -> 0 gives the linear solution 1 + ln(..) / Delta without 0/0).
   No real root >= 1 exists in two cases, handled as:
-    * Delta <= sigma^2: f falls from rho = 1 on, so any rho > 1 lowers the top-k mass -> rho = 1 (no scaling);
+    * Delta <= sigma^2: f falls from rho = 1 on, so any rho > 1 lowers the top-k mass -> rho = 1 (no scaling;
+      likewise k = 0, a head without relevant keys);
     * the target mass is above f's peak (huge n): no rho reaches it; rho* maximises the top-k mass, so
       C is capped at f(rho*) = Delta^2 / (2 sigma^2), which gives rho = rho*.
   """
@@ -58,7 +59,7 @@ def exact_rho(n, n0, delta, sigma, k):
   delta = jnp.asarray(delta, jnp.float32)
   s2 = jnp.asarray(sigma, jnp.float32) ** 2
   k = jnp.asarray(k, jnp.float32)
-  rises = delta > s2  # also implies delta > 0
+  rises = (delta > s2) & (k >= 1)  # delta > s2 also implies delta > 0; k = 0: no relevant keys to sharpen
   grow = jnp.log(jnp.maximum(n - k, 1.0) / jnp.maximum(n0 - k, 1.0))
   c = delta - s2 / 2 + jnp.maximum(grow, 0.0)
   c_peak = jnp.where(s2 > 0, delta ** 2 / (2 * jnp.where(s2 > 0, s2, 1.0)), jnp.inf)
@@ -227,6 +228,17 @@ def calibrate(layer_scores: list[np.ndarray], granularity: str = "head", alpha_r
           "heads": heads}
 
 
+def weights_fingerprint(drafter_dir) -> str:
+  """sha256 over the checkpoint's safetensors files: ties a calibration to the weights it measured."""
+  import hashlib
+  h = hashlib.sha256()
+  for f in sorted(Path(drafter_dir).glob("*.safetensors")):
+    with open(f, "rb") as fh:
+      for chunk in iter(lambda: fh.read(1 << 24), b""):
+        h.update(chunk)
+  return h.hexdigest()
+
+
 def load_sharpdraft(drafter_dir, rule: str, method: str = "NAME") -> SharpDraft:
   """The calibrated SharpDraft stored beside a drafter checkpoint, with the given rule ("exact" | "fixed")."""
   path = Path(drafter_dir) / SHARPDRAFT_FILE
@@ -239,5 +251,8 @@ def load_sharpdraft(drafter_dir, rule: str, method: str = "NAME") -> SharpDraft:
   meta = json.loads(path.read_text())
   if meta.get("version") != FORMAT_VERSION:
     raise ValueError(f"{path} has format version {meta.get('version')}, expected {FORMAT_VERSION}; recalibrate")
+  if meta.get("drafter_weights_sha256") not in (None, weights_fingerprint(drafter_dir)):
+    raise ValueError(f"{path} was calibrated on other weights than the checkpoint in {drafter_dir} now; rerun "
+                     f"`longspec calibrate-sharpdraft --drafter {method} --drafter-dir {drafter_dir}`")
   a = meta["applied"]
   return SharpDraft.from_stats(rule, meta["n0"], a["delta"], a["sigma"], a["k"], a["alpha"])

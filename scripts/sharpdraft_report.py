@@ -154,6 +154,10 @@ def measure_dilution(method: str, contexts: list[int], num_docs: int) -> dict:
   path = drafter_path(method)
   calib = json.loads((path / SHARPDRAFT_FILE).read_text())
   k = np.asarray(calib["applied"]["k"])  # [L, Hq]
+  if not (k > 0).any():
+    print(f"{method}: no head has relevant keys (k = 0 everywhere), so SharpDraft leaves it unchanged and there "
+          "is no top-k mass to follow; skipped", file=sys.stderr)
+    return None
   rules = {v: (load_sharpdraft(path, v) if v != "off" else None) for v in VARIANTS}
   loaded = build_drafter(method, target)
   graphdef, tparams = nnx.split(target)
@@ -222,7 +226,10 @@ def main(argv=None) -> int:
   if a.dilution:
     contexts = [int(c) for c in a.dilution_contexts.split(",")]
     dil = {m: measure_dilution(m, contexts, a.dilution_docs) for m in a.dilution.split(",")}
-    plot_dilution(dil, out / "sharpdraft_dilution.png")
+    skipped = [m for m, d in dil.items() if d is None]
+    dil = {m: d for m, d in dil.items() if d is not None}
+    if dil:
+      plot_dilution(dil, out / "sharpdraft_dilution.png")
     summary["dilution"] = dil
     md += ["", "## Attention-mass dilution", "",
            "Mean mass on each head's calibrated top-k keys (heads with k > 0) for the query that sees n keys, "
@@ -232,7 +239,9 @@ def main(argv=None) -> int:
     for m, d in dil.items():
       for v in VARIANTS:
         md.append(f"| {m} | {v} | " + " | ".join(f"{x:.3f}" for x in d["top_k_mass"][v]) + " |")
-    md += ["", "![dilution](sharpdraft_dilution.png)"]
+    for m in skipped:
+      md += ["", f"{m}: every head calibrated diffuse (k = 0): SharpDraft is the identity, nothing to plot."]
+    md += ["", "![dilution](sharpdraft_dilution.png)"] if dil else []
   (out / "sharpdraft_report.md").write_text("\n".join(md) + "\n")
   (out / "sharpdraft_report.json").write_text(json.dumps(summary, indent=1))
   print("\n".join(md))

@@ -93,7 +93,7 @@ def test_exact_rule_degenerate_cases():
   np.testing.assert_allclose(exact_rho(1000.0, 100, 4.0, 0.0, 2), 1 + np.log(998 / 98) / 4, rtol=1e-6)
   # Delta <= sigma^2 (scaling up only lowers the top-k mass) and k = 0 (diffuse head): no scaling.
   assert float(exact_rho(10_000.0, 100, 1.0, 1.2, 2)) == 1.0
-  assert float(exact_rho(10_000.0, 100, 0.0, 1.0, 0)) == 1.0
+  assert float(exact_rho(10_000.0, 100, 5.0, 1.0, 0)) == 1.0
 
 
 def test_fixed_slope_matches_exact_to_first_order():
@@ -305,5 +305,17 @@ def test_calibrate_cli_writes_sharpdraft_json(tmp_path, capsys):
   assert res["n0"] == 64 and res["num_windows"] == 16 and res["granularity"] == "layer"
   assert res["text_source"].startswith("corpus train split") and len(res["heads"][0]) == 4
   assert np.shape(res["applied"]["alpha"]) == (1, 4)
-  assert main(argv[:-4] + ["--corpus", str(tmp_path / "none"), "--n0", "4096"]) == 2
+  assert load_sharpdraft(drafter_dir, "exact").n0 == 64
+  save_model_dir(create_model(_cfg(1, vocab=320), seed=8), drafter_dir)  # retrained: calibration is stale
+  with pytest.raises(ValueError, match="other weights"):
+    load_sharpdraft(drafter_dir, "exact")
+
+  # Without a corpus: the drafter's own training rows (drafter.json data.dir), or a clear error.
+  rows = [{"prompt": list(range(3, 40)), "continuation": list(range(40, 90))}] * 4
+  datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "rows" / "dataset"))
+  (drafter_dir / "drafter.json").write_text(json.dumps({"n0": 64, "data": {"dir": str(tmp_path / "rows")}}))
+  assert main(argv[:-6] + ["--corpus", str(tmp_path / "none"), "--num-windows", "4"]) == 0
+  assert json.loads((drafter_dir / SHARPDRAFT_FILE).read_text())["text_source"].startswith("drafter training rows")
+  (drafter_dir / "drafter.json").write_text(json.dumps({"n0": 64}))
+  assert main(argv[:-6] + ["--corpus", str(tmp_path / "none")]) == 2
   assert "no corpus" in capsys.readouterr().err

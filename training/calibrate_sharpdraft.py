@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from longspec_jax.sharpdraft import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE, calibrate
+from longspec_jax.sharpdraft import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE, calibrate, weights_fingerprint
 
 DRAFTERS = ("pard", "standalone", "dflash", "eagle3")
 
@@ -50,7 +50,8 @@ def calibration_windows(tok, n0: int, num: int, bos: int | None, corpus_dir, dra
         break
     return (_windows_from_streams(streams, n0, num, bos, seed),
             f"corpus train split ({corpus_dir}), {min(len(streams), num)} documents")
-  data_dir = drafter_meta.get("data", {}).get("dir")
+  data = drafter_meta.get("data") or {}
+  data_dir = (data[0] if isinstance(data, list) else data).get("dir")  # a list when trained on several sets
   if not data_dir or not (Path(data_dir) / "dataset").exists():
     raise FileNotFoundError(f"no corpus at {corpus_dir} and no drafter training data (drafter.json data.dir = "
                             f"{data_dir!r}); build the corpus with `longspec corpus` or pass --corpus DIR")
@@ -114,7 +115,8 @@ def run_calibration(drafter: str, drafter_dir=None, model_dir=None, corpus_dir="
     # The rule's n0 counts keys: a drafter whose queries also see a few block keys has n0_keys > n0 tokens.
     print(f"note: drafter queries see {body['n0']} keys on {n0}-token windows; rules use n0 = {body['n0']}",
           file=sys.stderr)
-  result = {**body, "drafter": drafter, "drafter_dir": str(drafter_dir) if drafter_dir else "shipped",
+  result = {**body, "drafter": drafter, "drafter_weights_sha256": weights_fingerprint(path),
+            "drafter_dir": str(drafter_dir) if drafter_dir else "shipped",
             "n0_tokens": n0, "text_source": source, "num_windows": int(len(windows)), "seed": seed,
             "target_dir": str(model_dir) if model_dir else "shipped",
             "created_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
