@@ -53,15 +53,17 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs, in_features: int | None = None, qk_norm: bool | None = None):
+    """in_features: width of the q/k/v input (default hidden_size; EAGLE-3 reads 2H). qk_norm: default by family."""
     hd, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    din = in_features or cfg.hidden_size
     out_std = 0.02 / (2 * cfg.num_hidden_layers) ** 0.5
-    self.q_proj = Linear(cfg.hidden_size, hq * hd, ("embed", "q_heads"), bias=cfg.attention_bias, rngs=rngs)
-    self.k_proj = Linear(cfg.hidden_size, hkv * hd, ("embed", "kv_heads"), bias=cfg.attention_bias, rngs=rngs)
-    self.v_proj = Linear(cfg.hidden_size, hkv * hd, ("embed", "kv_heads"), bias=cfg.attention_bias, rngs=rngs)
+    self.q_proj = Linear(din, hq * hd, ("embed", "q_heads"), bias=cfg.attention_bias, rngs=rngs)
+    self.k_proj = Linear(din, hkv * hd, ("embed", "kv_heads"), bias=cfg.attention_bias, rngs=rngs)
+    self.v_proj = Linear(din, hkv * hd, ("embed", "kv_heads"), bias=cfg.attention_bias, rngs=rngs)
     self.o_proj = Linear(hq * hd, cfg.hidden_size, ("q_heads", "embed"), bias=cfg.attention_bias, rngs=rngs,
                          std=out_std)
-    if cfg.family == "qwen3":
+    if cfg.family == "qwen3" if qk_norm is None else qk_norm:
       self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs, axis="head_dim")
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs, axis="head_dim")
     else:

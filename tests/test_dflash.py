@@ -19,6 +19,7 @@ from longspec_jax.model import create_model
 from longspec_jax.sampling import SamplingParams
 from tests.test_speculative import (N_POS, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts, _sample,
                                     peaky_target, target)  # noqa: F401  (fixtures)
+from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
 from training.train_dflash import dflash_train_logits
 
 BLOCK = 5
@@ -191,3 +192,36 @@ def test_bad_checkpoints_and_targets(target, tmp_path):
   d = dflash_from_model(_dflash(target), target)
   with pytest.raises(ValueError, match="outside \\[1, 4\\]"):
     generate(target, [[3, 4, 5]], max_new_tokens=4, drafter=d, num_draft_tokens=5)
+
+
+def test_train_dflash_exports_and_resumes_exactly(env, tmp_path):  # noqa: F811
+  """Trainer on tiny target-generated data: the loss falls, a stopped + resumed run ends bit-identical, and the
+  export loads as a drafter that is lossless against its target."""
+  from longspec_jax.hf_io import load_model_dir
+  from longspec_jax.yaml_config import from_dict
+  from training.train_dflash import DFlashTrainConfig, train_dflash
+  tmp, data_cfg = env
+
+  def cfg(out, **kw):
+    return from_dict(DFlashTrainConfig, dict(
+        data_dirs=[data_cfg.out_dir], out_dir=str(tmp_path / out), num_layers=1, num_target_taps=2,
+        block_size=4, context_len=32, anchors_per_window=3, batch_size=2, steps=12,
+        optim=dict(lr=0.02, warmup_steps=2), val_fraction=0.2, val_windows=2, compute_dtype="float32",
+        log_every=1, checkpoint_every_minutes=100.0, **kw))
+
+  final = train_dflash(cfg("a"))
+  log = [json.loads(l) for l in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+  assert len(log) == 12 and np.mean([r["loss"] for r in log[-3:]]) < np.mean([r["loss"] for r in log[:3]])
+  info = json.loads((final / "drafter.json").read_text())
+  assert info["kind"] == "dflash" and info["n0"] == 32 and info["block_size"] == 4
+  assert len(info["val_top1_per_slot"]) == 3
+  assert str(train_dflash(cfg("b", stop_after_steps=5))).endswith("checkpoints")
+  resumed = train_dflash(cfg("b"))
+  log_b = [json.loads(l) for l in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+  assert log_b[-1] == {**log[-1], "elapsed_s": log_b[-1]["elapsed_s"]}
+  assert (final / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
+  target = load_model_dir(tmp / "target")
+  d = load_dflash(final, target)
+  prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft_tokens=3).tokens == \
+      generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens

@@ -27,8 +27,7 @@ from longspec_jax.kv_cache import KVCache
 from longspec_jax.model import create_model, default_target_config, param_count
 from training.drafter_data import load_drafter_data, target_name, weights_sha256
 from training.losses import cross_entropy
-from training.trainer import (OptimConfig, make_optimizer, make_train_step, start_or_resume,
-                              train_loop)
+from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
 
 # The PARD drafter's architecture (Qwen3-style, ~1.5M parameters at vocab 8192, most of them the tied embedding).
 DRAFTER_ARCH = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
@@ -212,15 +211,12 @@ def train_standalone_drafter(cfg: DrafterTrainConfig, resume: bool = True) -> Pa
   def batch_fn(step):
     return jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding)
 
-  end = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
   t0 = time.time()
-  with jax.set_mesh(mesh):
-    state = train_loop(state, make_train_step(loss_fn, optimizer), batch_fn, end, ckpt, out / "train_log.jsonl",
-                       log_every=cfg.log_every, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
-                       desc="train-drafter")
-  ckpt.close()
-  if end < cfg.steps:
-    print(f"stopped after step {end} of {cfg.steps}; rerun the same command to continue")
+  state, finished = train_until(state, ckpt, mesh, loss_fn, optimizer, batch_fn, steps=cfg.steps,
+                                stop_after_steps=cfg.stop_after_steps, log_path=out / "train_log.jsonl",
+                                log_every=cfg.log_every, tokens_per_step=cfg.batch_size * cfg.context_len,
+                                desc="train-drafter")
+  if not finished:
     return out / "checkpoints"
   trained = nnx.merge(graphdef, state.params)
   return export_drafter(trained, cfg, target_dir, manifest, val_rows, pad_id, train_s=time.time() - t0)

@@ -31,7 +31,7 @@ from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
 from training.drafter_data import load_drafter_data, target_name, weights_sha256
 from training.train_drafter import _split_rows, _target_config
-from training.trainer import OptimConfig, make_optimizer, make_train_step, start_or_resume, train_loop
+from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,15 +253,12 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
   def batch_fn(step):
     return {**jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding), "target": frozen}
 
-  end = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
   t0 = time.time()
-  with jax.set_mesh(mesh):
-    state = train_loop(state, make_train_step(loss_fn, optimizer), batch_fn, end, ckpt, out / "train_log.jsonl",
-                       log_every=cfg.log_every, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
-                       desc="train-eagle3")
-  ckpt.close()
-  if end < cfg.steps:
-    print(f"stopped after step {end} of {cfg.steps}; rerun the same command to continue")
+  state, finished = train_until(state, ckpt, mesh, loss_fn, optimizer, batch_fn, steps=cfg.steps,
+                                stop_after_steps=cfg.stop_after_steps, log_path=out / "train_log.jsonl",
+                                log_every=cfg.log_every, tokens_per_step=cfg.batch_size * cfg.context_len,
+                                desc="train-eagle3")
+  if not finished:
     return out / "checkpoints"
   trained = nnx.merge(graphdef, jax.device_get(state.params))
   return export_eagle3(trained, target, cfg, aux, target_dir, data, val_rows, pad_id, time.time() - t0)

@@ -166,3 +166,18 @@ def train_loop(state: TrainState, train_step, batch_fn: Callable[[int], dict], t
   bar.close()
   checkpointer.maybe_save(int(state.step), state, force=True)
   return state
+
+
+def train_until(state: TrainState, checkpointer: Checkpointer, mesh, loss_fn: Callable, optimizer,
+                batch_fn: Callable[[int], dict], *, steps: int, stop_after_steps: int, log_path: str | Path,
+                log_every: int, tokens_per_step: int, desc: str) -> tuple[TrainState, bool]:
+  """Drafter/target runs: trains to `steps`, or stops (checkpointed) after `stop_after_steps` when that is set
+  and smaller. Returns (state, finished)."""
+  end = min(steps, stop_after_steps or steps)
+  with jax.set_mesh(mesh):
+    state = train_loop(state, make_train_step(loss_fn, optimizer), batch_fn, end, checkpointer, log_path,
+                       log_every=log_every, tokens_fn=lambda s: tokens_per_step, desc=desc)
+  checkpointer.close()
+  if end < steps:
+    print(f"stopped after step {end} of {steps}; rerun the same command to continue")
+  return state, end == steps

@@ -36,8 +36,8 @@ from longspec_jax.attention import NEG_INF, cached_attention, causal_attention
 from longspec_jax.config import ModelConfig
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.kv_cache import KVCache
-from longspec_jax.model import MLP, Linear, RMSNorm
-from longspec_jax.rope import apply_rope, rope_frequencies
+from longspec_jax.model import MLP, Attention, Linear, RMSNorm
+from longspec_jax.rope import rope_frequencies
 from longspec_jax.sampling import processed_log_probs
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -51,38 +51,11 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
   return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
 
 
-class Eagle3Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, qk_norm: bool, *, rngs):
-    hd, hq, hkv, h = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
-    bias = cfg.attention_bias
-    self.q_proj = Linear(2 * h, hq * hd, ("embed", "q_heads"), bias=bias, rngs=rngs)
-    self.k_proj = Linear(2 * h, hkv * hd, ("embed", "kv_heads"), bias=bias, rngs=rngs)
-    self.v_proj = Linear(2 * h, hkv * hd, ("embed", "kv_heads"), bias=bias, rngs=rngs)
-    self.o_proj = Linear(hq * hd, h, ("q_heads", "embed"), bias=bias, rngs=rngs, std=0.02 / 2 ** 0.5)
-    if qk_norm:
-      self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs, axis="head_dim")
-      self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs, axis="head_dim")
-    else:
-      self.q_norm = self.k_norm = None
-    self.cfg = cfg
-
-  def qkv(self, x, positions, rope):
-    cfg = self.cfg
-    b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-    k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    if self.q_norm is not None:
-      q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq, scaling = rope
-    return apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling), v
-
-
 class Eagle3Layer(nnx.Module):
   def __init__(self, cfg: ModelConfig, qk_norm: bool, *, rngs):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
     self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
-    self.self_attn = Eagle3Attention(cfg, qk_norm, rngs=rngs)
+    self.self_attn = Attention(cfg, rngs=rngs, in_features=2 * cfg.hidden_size, qk_norm=qk_norm)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
