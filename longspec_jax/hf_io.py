@@ -50,6 +50,17 @@ def to_hf_tensors(model: nnx.Module, dtype=np.float32, prefix: str = "model.") -
   return out
 
 
+def weights_sha256(model_dir: str | os.PathLike) -> str:
+  """Identity of a checkpoint's weights: sha256 over all its safetensors files, in name order."""
+  import hashlib
+  h = hashlib.sha256()
+  for f in sorted(Path(model_dir).glob("*.safetensors")):
+    with open(f, "rb") as fh:
+      for chunk in iter(lambda: fh.read(1 << 20), b""):
+        h.update(chunk)
+  return h.hexdigest()
+
+
 def _read_tensors(model_dir: Path) -> dict[str, jax.Array]:
   from safetensors import SafetensorError, safe_open
 

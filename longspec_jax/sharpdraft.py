@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longspec_jax.hf_io import weights_sha256
 from pallas_kernels.query_scaled_attention.reference import sharpdraft_rho
 
 RULES = ("exact", "fixed")
@@ -228,17 +229,6 @@ def calibrate(layer_scores: list[np.ndarray], granularity: str = "head", alpha_r
           "heads": heads}
 
 
-def weights_fingerprint(drafter_dir) -> str:
-  """sha256 over the checkpoint's safetensors files: ties a calibration to the weights it measured."""
-  import hashlib
-  h = hashlib.sha256()
-  for f in sorted(Path(drafter_dir).glob("*.safetensors")):
-    with open(f, "rb") as fh:
-      for chunk in iter(lambda: fh.read(1 << 24), b""):
-        h.update(chunk)
-  return h.hexdigest()
-
-
 def load_sharpdraft(drafter_dir, rule: str, method: str = "NAME") -> SharpDraft:
   """The calibrated SharpDraft stored beside a drafter checkpoint, with the given rule ("exact" | "fixed")."""
   path = Path(drafter_dir) / SHARPDRAFT_FILE
@@ -251,7 +241,7 @@ def load_sharpdraft(drafter_dir, rule: str, method: str = "NAME") -> SharpDraft:
   meta = json.loads(path.read_text())
   if meta.get("version") != FORMAT_VERSION:
     raise ValueError(f"{path} has format version {meta.get('version')}, expected {FORMAT_VERSION}; recalibrate")
-  if meta.get("drafter_weights_sha256") not in (None, weights_fingerprint(drafter_dir)):
+  if meta.get("drafter_weights_sha256") not in (None, weights_sha256(drafter_dir)):
     raise ValueError(f"{path} was calibrated on other weights than the checkpoint in {drafter_dir} now; rerun "
                      f"`longspec calibrate-sharpdraft --drafter {method} --drafter-dir {drafter_dir}`")
   a = meta["applied"]

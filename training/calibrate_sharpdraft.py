@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from longspec_jax.sharpdraft import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE, calibrate, weights_fingerprint
+from longspec_jax.hf_io import weights_sha256
+from longspec_jax.sharpdraft import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE, calibrate
 
 DRAFTERS = ("pard", "standalone", "dflash", "eagle3")
 
@@ -115,7 +116,7 @@ def run_calibration(drafter: str, drafter_dir=None, model_dir=None, corpus_dir="
     # The rule's n0 counts keys: a drafter whose queries also see a few block keys has n0_keys > n0 tokens.
     print(f"note: drafter queries see {body['n0']} keys on {n0}-token windows; rules use n0 = {body['n0']}",
           file=sys.stderr)
-  result = {**body, "drafter": drafter, "drafter_weights_sha256": weights_fingerprint(path),
+  result = {**body, "drafter": drafter, "drafter_weights_sha256": weights_sha256(path),
             "drafter_dir": str(drafter_dir) if drafter_dir else "shipped",
             "n0_tokens": n0, "text_source": source, "num_windows": int(len(windows)), "seed": seed,
             "target_dir": str(model_dir) if model_dir else "shipped",

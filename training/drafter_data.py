@@ -10,12 +10,13 @@ merged into one `datasets.Dataset` (`<out>/dataset`) with a `manifest.json`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
+
+from longspec_jax.hf_io import weights_sha256  # noqa: F401  (re-exported for the trainers)
 
 DATASET_DIR = "dataset"
 SHARDS_DIR = "shards"
@@ -227,16 +228,6 @@ def target_name(target_dir: str | Path) -> str:
   """A target's name: its directory's, or the run's for the trainer's `runs/<name>/final` export layout."""
   d = Path(target_dir).resolve()
   return d.parent.name if d.name == "final" else d.name
-
-
-def weights_sha256(model_dir: str | Path) -> str:
-  """Identity of a checkpoint's weights (all safetensors files, in name order)."""
-  h = hashlib.sha256()
-  for f in sorted(Path(model_dir).glob("*.safetensors")):
-    with open(f, "rb") as fh:
-      for chunk in iter(lambda: fh.read(1 << 20), b""):
-        h.update(chunk)
-  return h.hexdigest()
 
 
 def load_drafter_data(data_dir: str | Path):
