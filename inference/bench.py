@@ -18,7 +18,6 @@ from longspec_jax.drafters.base import PrefillResult, ProposeContext, state_nbyt
 from longspec_jax.sampling import SamplingParams
 
 BATCH_STRIDE = 64  # batch element b starts b * BATCH_STRIDE tokens into the file
-MIN_DECODE_FRACTION = 0.1  # decode time (full - prefill-only) below this share of the full call is noise
 
 
 def bench_prompts(ids: list[int], context: int, batch: int, bos: int | None) -> list[list[int]]:
@@ -81,15 +80,17 @@ def profile_step(model, drafter, prompts, num_draft: int, sp: SamplingParams, re
 
 
 def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
-  """(result, decode tokens/s, prefill seconds): the prefill-only time is subtracted from the full call."""
-  run = lambda n: generate(model, prompts, max_new_tokens=n, **kw)
-  _, t_prefill = _timed(lambda: run(1), repeats)
-  res, t_full = _timed(lambda: run(new_tokens), repeats)
-  n_new = sum(len(t) for t in res.tokens)
-  if t_full - t_prefill < MIN_DECODE_FRACTION * t_full:
-    # Decoding took less time than the noise of the prefill-only timing: no honest rate can be given.
-    return res, None, t_prefill
-  return res, n_new / (t_full - t_prefill), t_prefill
+  """(result, decode tokens/s, prefill s, decode s). generate() times its prefill and decode programs apart;
+  medians over `repeats` calls after a compiling one. The first token of each sequence comes from the prefill, so
+  the rate counts the tokens the decode loop made."""
+  run = lambda: generate(model, prompts, max_new_tokens=new_tokens, **kw)
+  run()
+  results = [run() for _ in range(repeats)]
+  res = results[-1]
+  prefill_s = statistics.median(r.prefill_s for r in results)
+  decode_s = statistics.median(r.decode_s for r in results)
+  n_decoded = sum(len(t) - 1 for t in res.tokens)
+  return res, (n_decoded / decode_s if n_decoded else None), prefill_s, decode_s
 
 
 def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
@@ -102,33 +103,35 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
   prompts = bench_prompts(tok.encode(text).ids, context, batch, cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
-  ar, ar_tps, ar_prefill = ar_baseline or decode_rate(model, prompts, new_tokens, repeats, **kw)
+  ar, ar_tps, ar_prefill, ar_decode = ar_baseline or decode_rate(model, prompts, new_tokens, repeats, **kw)
   out = {"method": method, "sharpdraft": sharpdraft, "context": context, "new_tokens": new_tokens,
          "batch": batch, "temperature": temperature, "seed": seed, "num_draft_tokens": num_draft if drafter else 0,
-         "ar_tokens_per_s": ar_tps, "ar_prefill_ms": 1000 * ar_prefill}
+         "ar_tokens_per_s": ar_tps, "ar_prefill_ms": 1000 * ar_prefill,
+         "ar_decode_ms": 1000 * ar_decode}
   if drafter is None:
     out.update(tau=1.0, accept_per_position=[], target_forwards=ar.target_forwards, tokens_per_s=ar_tps,
                speedup=1.0, draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,
                exact_match_ar=True if temperature == 0 else None)
   else:
-    res, tps, prefill = decode_rate(model, prompts, new_tokens, repeats, drafter=drafter,
-                                     num_draft_tokens=num_draft, **kw)
+    res, tps, prefill, decode = decode_rate(model, prompts, new_tokens, repeats, drafter=drafter,
+                                            num_draft_tokens=num_draft, **kw)
     sp = SamplingParams.make(temperature, top_k, top_p)
     draft_ms, verify_ms, state_bytes = profile_step(model, drafter, prompts, num_draft, sp)
     out.update(tau=res.stats["tau"], accept_per_position=res.stats["accept_per_position"],
                target_forwards=res.target_forwards, tokens_per_s=tps,
                speedup=tps / ar_tps if tps and ar_tps else None,
-               prefill_ms=1000 * prefill, draft_ms_per_step=draft_ms, verify_ms_per_step=verify_ms,
-               drafter_state_bytes=state_bytes,
+               prefill_ms=1000 * prefill, decode_ms=1000 * decode, draft_ms_per_step=draft_ms,
+               verify_ms_per_step=verify_ms, drafter_state_bytes=state_bytes,
                exact_match_ar=(res.tokens == ar.tokens) if temperature == 0 else None)
   out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return out
 
 
 def transformers_peers(model_dir: Path, drafter_dir: Path | None, prompts: list[list[int]], new_tokens: int,
-                       num_draft: int) -> dict:
-  """tokens/s of transformers greedy AR, assisted generation (exported standalone drafter) and prompt lookup on
-  the same exported weights (fp32, CPU)."""
+                       num_draft: int, temperature: float = 0.0, seed: int = 0, repeats: int = 3) -> dict:
+  """Decode tokens/s of transformers AR, assisted generation (exported standalone drafter) and prompt lookup on
+  the same exported weights (fp32, CPU); greedy, or sampling at `temperature` with no top-k / top-p. Decode time
+  is a full call minus a 1-token call, medians over `repeats` after a warm-up."""
   import tempfile
 
   import torch
@@ -146,13 +149,17 @@ def transformers_peers(model_dir: Path, drafter_dir: Path | None, prompts: list[
   runs = {"transformers-ar": {}, "transformers-prompt-lookup": {"prompt_lookup_num_tokens": num_draft}}
   if assistant is not None:
     runs["transformers-assisted"] = {"assistant_model": assistant}
+  # transformers samples with top_k=50 unless told otherwise: match our plain temperature sampling.
+  sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
+              else dict(do_sample=False))
   out = {}
   for name, extra in runs.items():
     def go(n):
       with torch.no_grad():
-        return target.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **extra)
+        return target.generate(ids, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **sampling, **extra)
+    torch.manual_seed(seed)
     go(2)
-    t0 = time.perf_counter(); go(1); t_prefill = time.perf_counter() - t0
-    t0 = time.perf_counter(); go(new_tokens); t_full = time.perf_counter() - t0
-    out[name] = new_tokens / max(t_full - t_prefill, 1e-9)
+    _, t_prefill = _timed(lambda: go(1), repeats)
+    _, t_full = _timed(lambda: go(new_tokens), repeats)
+    out[name] = (new_tokens - 1) / max(t_full - t_prefill, 1e-9)
   return out

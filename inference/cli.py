@@ -43,16 +43,15 @@ def cmd_generate(a) -> int:
     ids = ids[:a.max_prompt_tokens]
   kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
             seed=a.seed)
-  res = generate(model, [ids], **kw)  # first call compiles
   stats = {}
   if a.stats:
-    # Same compiled program: a 1-token call is prefill alone; the full call minus it is the decode.
-    t_prefill = min(generate(model, [ids], **dict(kw, max_new_tokens=1)).wall_s for _ in range(2))
+    from inference.bench import decode_rate
+    # A compiling call, then medians of 3 (prefill and decode programs timed apart).
+    res, tps, prefill_s, _ = decode_rate(model, [ids], kw.pop("max_new_tokens"), 3, **kw)
+    stats = {"prompt_len": len(ids), "new_tokens": len(res.tokens[0]), "prefill_ms": 1000 * prefill_s,
+             "decode_tokens_per_s": tps, "total_s": res.wall_s}
+  else:
     res = generate(model, [ids], **kw)
-    n = len(res.tokens[0])
-    decode_s = max(res.wall_s - t_prefill, 1e-9)
-    stats = {"prompt_len": len(ids), "new_tokens": n, "prefill_ms": 1000 * t_prefill,
-             "decode_tokens_per_s": (n - 1) / decode_s if n > 1 else None, "total_s": res.wall_s}
   out_ids = res.tokens[0]
   text_out = tok.decode([t for t in out_ids if t != model.cfg.eos_token_id])
   print(text_out)
@@ -146,7 +145,8 @@ def cmd_bench(a) -> int:
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
     prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
     res["peer_tokens_per_s"] = transformers_peers(model_dir, drafter_dir if drafter_dir.exists() else None,
-                                                  prompts, a.new_tokens, a.num_draft)
+                                                  prompts, a.new_tokens, a.num_draft, a.temperature, a.seed,
+                                                  a.repeats)
   res["text_file"] = str(path)
   print(json.dumps(res, indent=2))
   _write_json(a.json, res)

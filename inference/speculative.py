@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.generate import GenerationResult, cache_len_for, pad_prompts
+from inference.generate import GenerationResult, cache_len_for, pad_prompts, timed_prefill_decode
 from longspec_jax.drafters.base import LoadedDrafter, PrefillResult, ProposeContext, VerifyResult
 from longspec_jax.kv_cache import KVCache
 from longspec_jax.sampling import SamplingParams, sample_token
@@ -45,14 +45,16 @@ def _truncate(committed, num_commit, num_new, max_new, eos_id):
   return jnp.where(hit_eos, first_eos + 1, num_commit), hit_eos
 
 
-def _spec_program(graphdef, params, drafter, drafter_params, tokens, prompt_lens, max_new, sp, seed, eos_id, *,
-                  max_len: int, num_draft: int, sample: bool):
+def _streams(seed):
+  base = jax.random.key(seed)
+  return base, jax.random.fold_in(base, DRAFT_STREAM), jax.random.fold_in(base, ACCEPT_STREAM)
+
+
+def _spec_prefill(graphdef, params, drafter, drafter_params, tokens, prompt_lens, max_new, sp, seed, eos_id, *,
+                  max_len: int, num_draft: int) -> SpecState:
   model = nnx.merge(graphdef, params)
   b, t = tokens.shape
-  k = num_draft
-  base = jax.random.key(seed)
-  draft_stream, accept_stream = jax.random.fold_in(base, DRAFT_STREAM), jax.random.fold_in(base, ACCEPT_STREAM)
-
+  base, _, _ = _streams(seed)
   cache = model.init_cache(b, max_len)
   out = model(tokens, cache=cache, mode="prefill", logits_at=(prompt_lens - 1)[:, None], taps=drafter.taps,
               return_kv=drafter.needs_target_kv)
@@ -61,11 +63,19 @@ def _spec_program(graphdef, params, drafter, drafter_params, tokens, prompt_lens
   target_cache = out.cache.replace(lengths=prompt_lens)
   pre = PrefillResult(prompt_tokens=tokens, tokens=buf, prompt_lens=prompt_lens, taps=out.taps, new_kv=out.new_kv,
                       target_cache=target_cache)
-  state = SpecState(
+  return SpecState(
       tokens=buf, num_tokens=prompt_lens + 1, num_new=jnp.ones((b,), jnp.int32),
       done=(first == eos_id) | (max_new <= 1), target_cache=target_cache,
       drafter_state=drafter.init_state(drafter_params, pre, max_len), step=jnp.int32(0),
-      active_steps=jnp.zeros((b,), jnp.int32), accept_hist=jnp.zeros((k + 1,), jnp.int32))
+      active_steps=jnp.zeros((b,), jnp.int32), accept_hist=jnp.zeros((num_draft + 1,), jnp.int32))
+
+
+def _spec_decode(graphdef, params, drafter, drafter_params, state: SpecState, max_new, sp, seed, eos_id, *,
+                 num_draft: int, sample: bool) -> SpecState:
+  model = nnx.merge(graphdef, params)
+  b, max_len = state.tokens.shape
+  k = num_draft
+  _, draft_stream, accept_stream = _streams(seed)
 
   def body(s: SpecState):
     ctx = ProposeContext(tokens=s.tokens, num_tokens=s.num_tokens, sampling=sp)
@@ -97,16 +107,17 @@ def _spec_program(graphdef, params, drafter, drafter_params, tokens, prompt_lens
                      drafter_state=dstate, step=s.step + 1, active_steps=s.active_steps + active,
                      accept_hist=hist)
 
-  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-  return state.tokens, state.num_new, state.step, state.active_steps, state.accept_hist
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
-spec_program = jax.jit(_spec_program,
-                       static_argnames=("graphdef", "drafter", "max_len", "num_draft", "sample"))
+# Two programs, as in AR generate: each is timed on its own and the decode loop takes over the prefill's buffers.
+spec_prefill_program = jax.jit(_spec_prefill, static_argnames=("graphdef", "drafter", "max_len", "num_draft"))
+spec_decode_program = jax.jit(_spec_decode, static_argnames=("graphdef", "drafter", "num_draft", "sample"),
+                              donate_argnames=("state",))
 
 
-def speculative_generate(model, drafter: LoadedDrafter, prompts, max_new_tokens: int, sp: SamplingParams, seed: int, eos: int,
-                         num_draft_tokens: int) -> GenerationResult:
+def speculative_generate(model, drafter: LoadedDrafter, prompts, max_new_tokens: int, sp: SamplingParams, seed: int,
+                         eos: int, num_draft_tokens: int) -> GenerationResult:
   cfg = model.cfg
   spec, dparams = drafter.spec, drafter.params
   k = int(num_draft_tokens)
@@ -124,19 +135,22 @@ def speculative_generate(model, drafter: LoadedDrafter, prompts, max_new_tokens:
   tokens, lens = pad_prompts(prompts, cfg.pad_token_id or 0, t_bucket)
   graphdef, params = nnx.split(model)
   sample = bool(float(sp.temperature) > 0)
+  max_new, seed, eos = jnp.int32(max_new_tokens), jnp.uint32(seed), jnp.int32(eos)
   t0 = time.perf_counter()
-  buf, num_new, steps, active_steps, hist = spec_program(
-      graphdef, params, spec, dparams, jnp.asarray(tokens), jnp.asarray(lens), jnp.int32(max_new_tokens),
-      sp, jnp.uint32(seed), jnp.int32(eos), max_len=max_len, num_draft=k, sample=sample)
-  buf, num_new = np.asarray(buf), np.asarray(num_new)
+  state, prefill_s, decode_s = timed_prefill_decode(
+      lambda: spec_prefill_program(graphdef, params, spec, dparams, jnp.asarray(tokens), jnp.asarray(lens), max_new,
+                                   sp, seed, eos, max_len=max_len, num_draft=k),
+      lambda st: spec_decode_program(graphdef, params, spec, dparams, st, max_new, sp, seed, eos, num_draft=k,
+                                     sample=sample))
+  buf, num_new = np.asarray(state.tokens), np.asarray(state.num_new)
   wall = time.perf_counter() - t0
   out = [buf[i, lens[i]:lens[i] + num_new[i]].tolist() for i in range(len(prompts))]
-  hist = np.asarray(hist)
-  active_steps = np.asarray(active_steps)
+  hist = np.asarray(state.accept_hist)
+  active_steps = np.asarray(state.active_steps)
   # P(at least i+1 drafts accepted | verification pass), i = 0..K-1.
   at_least = [float(hist[i + 1:].sum() / max(hist.sum(), 1)) for i in range(k)]
   committed_after_prefill = int((num_new - 1).sum())
-  stats = {"target_forwards": int(steps), "tau": committed_after_prefill / max(int(active_steps.sum()), 1),
+  stats = {"target_forwards": int(state.step), "tau": committed_after_prefill / max(int(active_steps.sum()), 1),
            "accept_per_position": at_least, "accept_hist": hist.tolist(), "num_draft_tokens": k}
-  return GenerationResult(tokens=out, prompt_lengths=lens.tolist(), target_forwards=int(steps), wall_s=wall,
-                          stats=stats)
+  return GenerationResult(tokens=out, prompt_lengths=lens.tolist(), target_forwards=int(state.step), wall_s=wall,
+                          prefill_s=prefill_s, decode_s=decode_s, stats=stats)

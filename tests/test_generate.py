@@ -2,9 +2,11 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
-from inference.generate import ar_program, bucket, generate
+from inference.generate import ar_decode_program, ar_prefill_program, bucket, generate
 
 
 def naive_greedy(model, prompt, n, width=64):
@@ -48,14 +50,18 @@ def test_sampling_is_seeded_and_respects_top_k(tiny_model):
   assert k1 == generate(tiny_model, p, max_new_tokens=16, eos_id=-1).tokens
 
 
+def _compiled_programs():
+  return ar_prefill_program._cache_size() + ar_decode_program._cache_size()
+
+
 def test_no_recompile_within_bucket(tiny_model):
   generate(tiny_model, [[1, 2, 3, 4, 5]], max_new_tokens=8)
-  before = ar_program._cache_size()
+  before = _compiled_programs()
   generate(tiny_model, [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]], max_new_tokens=8, temperature=0.7, seed=9)
   generate(tiny_model, [[7] * 40], max_new_tokens=5, top_p=0.5, temperature=1.0)
-  assert ar_program._cache_size() == before
-  generate(tiny_model, [[7] * 100], max_new_tokens=8)  # next prompt bucket: one new program
-  assert ar_program._cache_size() == before + 1
+  assert _compiled_programs() == before
+  generate(tiny_model, [[7] * 100], max_new_tokens=8)  # next prompt bucket: a new prefill and decode program
+  assert _compiled_programs() == before + 2
 
 
 def test_bucket_sizes():
@@ -63,3 +69,31 @@ def test_bucket_sizes():
   assert bucket(16384 + 300) <= 1.125 * (16384 + 300)
   for n in range(1, 5000, 37):
     assert n <= bucket(n) <= max(1.125 * n, n + 64)
+
+
+def _reference_log_probs(logits, temperature, top_k, top_p):
+  """numpy: temperature, then top-k, then the smallest top-p prefix of the sorted distribution."""
+  z = logits / (temperature if temperature > 0 else 1.0)
+  order = np.argsort(-z, kind="stable")
+  keep = np.zeros(z.shape, bool)
+  keep[order[:top_k if top_k else len(z)]] = True
+  p = np.exp(z - z[keep].max()) * keep
+  p /= p.sum()
+  before = np.cumsum(p[order]) - p[order]
+  keep[order[before >= top_p]] = False
+  zk = np.where(keep, z, -np.inf)
+  return zk - np.log(np.exp(zk - zk.max()).sum()) - zk.max()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.8, 5, 1.0), (1.3, 0, 0.6),
+                                                     (0.9, 7, 0.8)])
+def test_processed_log_probs_vs_reference(temperature, top_k, top_p):
+  from longspec_jax.sampling import SamplingParams, processed_log_probs
+  logits = np.random.default_rng(1).normal(size=(3, 40)).astype(np.float32) * 3
+  # One compiled function serves filtered and unfiltered settings (the filter is a runtime branch).
+  fn = jax.jit(processed_log_probs)
+  got = np.asarray(fn(jnp.asarray(logits), SamplingParams.make(temperature, top_k, top_p)))
+  for row, g in zip(logits, got):
+    ref = _reference_log_probs(row.astype(np.float64), temperature, top_k, top_p)
+    np.testing.assert_array_equal(g < -1e29, np.isinf(ref))
+    np.testing.assert_allclose(g[np.isfinite(ref)], ref[np.isfinite(ref)], atol=1e-5)

@@ -78,9 +78,15 @@ def test_eos_stops_each_sequence_in_spec(target, drafters):
 def test_no_recompile_within_bucket(target, drafters):
   d = drafters["pard"]
   generate(target, _prompts(2, [10, 20]), max_new_tokens=16, drafter=d, num_draft_tokens=3)
-  n = speculative.spec_program._cache_size()
+  # Greedy and sampling are two decode programs (sampling also carries draft probabilities).
+  generate(target, _prompts(2, [10, 20]), max_new_tokens=16, drafter=d, num_draft_tokens=3, temperature=0.9)
+  compiled = lambda: (speculative.spec_prefill_program._cache_size()
+                      + speculative.spec_decode_program._cache_size())
+  n = compiled()
   generate(target, _prompts(2, [33, 7], seed=5), max_new_tokens=16, drafter=d, num_draft_tokens=3, seed=4)
-  assert speculative.spec_program._cache_size() == n
+  generate(target, _prompts(2, [12, 9], seed=6), max_new_tokens=16, drafter=d, num_draft_tokens=3, temperature=0.5,
+           top_p=0.8)
+  assert compiled() == n
 
 
 def _fake_verify(tokens, num_tokens, k, cache):
