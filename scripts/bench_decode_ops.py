@@ -16,18 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inference.bench import _timed
 from longspec_jax.attention import NEG_INF, cached_attention
 from longspec_jax.sampling import SamplingParams, processed_log_probs, sample_token
 
 
 def median_ms(fn, *args, repeats: int = 20) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1000 * statistics.median(times)
+  return 1000 * _timed(lambda: jax.block_until_ready(fn(*args)), repeats)[1]
 
 
 def per_head_attention(q, k_cache, v_cache, q_positions):
