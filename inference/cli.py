@@ -41,17 +41,16 @@ def cmd_generate(a) -> int:
   ids = encode_prompt(tok, text, model.cfg.bos_token_id)
   if a.max_prompt_tokens:
     ids = ids[:a.max_prompt_tokens]
-  kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-            seed=a.seed)
+  sampling = dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
   stats = {}
   if a.stats:
     from inference.bench import decode_rate
     # A compiling call, then medians of 3 (prefill and decode programs timed apart).
-    res, tps, prefill_s, _ = decode_rate(model, [ids], kw.pop("max_new_tokens"), 3, **kw)
+    res, tps, prefill_s, _ = decode_rate(model, [ids], a.max_new_tokens, 3, **sampling)
     stats = {"prompt_len": len(ids), "new_tokens": len(res.tokens[0]), "prefill_ms": 1000 * prefill_s,
              "decode_tokens_per_s": tps, "total_s": res.wall_s}
   else:
-    res = generate(model, [ids], **kw)
+    res = generate(model, [ids], max_new_tokens=a.max_new_tokens, **sampling)
   out_ids = res.tokens[0]
   text_out = tok.decode([t for t in out_ids if t != model.cfg.eos_token_id])
   print(text_out)

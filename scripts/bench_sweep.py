@@ -108,7 +108,7 @@ def main() -> int:
       for name, tps in peers.items():
         rows.append({"method": name, "doc": Path(doc).stem, "context": ctx, "temperature": a.temperature,
                      "tokens_per_s": tps})
-  for r in rows:  # runs timed before bench.py's decode-time guard existed: apply it here
+  for r in rows:  # runs timed by subtraction (no `decode_ms`): mark those below its noise
     if r.get("speedup") is not None and not (_decode_timed(r, "ar_tokens_per_s", "ar_prefill_ms")
                                             and _decode_timed(r, "tokens_per_s", "prefill_ms")):
       r["speedup"] = "noise"
