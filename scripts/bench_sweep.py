@@ -88,7 +88,7 @@ def main() -> int:
       from longspec_jax import default_target_dir
       from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR
       print(f"== {Path(doc).stem} context {ctx}: transformers peers", flush=True)
-      peers = transformers_peers(default_target_dir(), SHIPPED_DRAFTERS_DIR / "pard", prompts, a.new_tokens,
+      peers = transformers_peers(model, default_target_dir(), SHIPPED_DRAFTERS_DIR / "pard", prompts, a.new_tokens,
                                  a.num_draft, a.temperature, a.seed, a.repeats)
       peer_path.write_text(json.dumps({"context": ctx, "text_file": doc, "temperature": a.temperature,
                                        "peer_tokens_per_s": peers}, indent=2))
