@@ -142,7 +142,10 @@ def hf_tokenizer(reader):
   merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
   types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
   pre = _field(reader, "tokenizer.ggml.pre", "default")
-  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+  try:
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+  except Exception as e:  # tokenizers raises a bare Exception naming the offending token
+    raise ValueError(f"GGUF file has an inconsistent BPE vocabulary: {e}") from e
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(_field(reader, "tokenizer.ggml.add_space_prefix",
                                                                      False)), use_regex=True)
   if pre in _DIGIT_SPLITTING_PRE:
