@@ -122,6 +122,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
                speedup=tps / ar_tps if tps and ar_tps else None,
                prefill_ms=1000 * prefill, decode_ms=1000 * decode, draft_ms_per_step=draft_ms,
                verify_ms_per_step=verify_ms, drafter_state_bytes=state_bytes,
+               # What a verify pass costs in AR steps (same process): speedup ~ tau / (this + draft/AR step).
+               verify_over_decode=verify_ms * ar_tps / 1000 if ar_tps else None,
                exact_match_ar=(res.tokens == ar.tokens) if temperature == 0 else None)
   out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return out

@@ -68,6 +68,7 @@ def test_bench_json_contract(model_dir, tmp_path):
               "verify_ms_per_step", "drafter_state_bytes", "peak_rss_bytes", "exact_match_ar"):
     assert key in res, key
   assert res["exact_match_ar"] is True and res["tau"] >= 1 and len(res["accept_per_position"]) == 4
+  assert res["verify_over_decode"] == pytest.approx(res["verify_ms_per_step"] * res["ar_tokens_per_s"] / 1000)
   with pytest.raises(SystemExit, match="unknown method"):
     main(["bench", "--method", "nope", "--text-file", str(model_dir.parent / "text.txt"), "--context", "10",
           "--model", str(model_dir)])
@@ -85,3 +86,15 @@ def test_bench_with_transformers_peers(model_dir, tmp_path):
   peers = res["peer_tokens_per_s"]
   assert set(peers) == {"transformers-ar", "transformers-assisted", "transformers-prompt-lookup"}
   assert all(v > 0 for v in peers.values())
+
+
+def test_bench_peer_skips_a_drafter_of_another_vocabulary(model_dir, tmp_path):
+  """The shipped PARD drafter (vocab 8192) cannot assist a 320-token target: the peer run says so instead of
+  failing after the other peers ran."""
+  pytest.importorskip("torch")
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR
+  out = tmp_path / "p.json"
+  assert main(["bench", "--method", "ar", "--text-file", str(model_dir.parent / "text.txt"), "--context", "100",
+               "--new-tokens", "6", "--model", str(model_dir), "--drafter", str(SHIPPED_DRAFTERS_DIR / "pard"),
+               "--repeats", "1", "--peer", "transformers", "--json", str(out)]) == 0
+  assert set(json.loads(out.read_text())["peer_tokens_per_s"]) == {"transformers-ar", "transformers-prompt-lookup"}
