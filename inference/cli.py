@@ -220,6 +220,20 @@ def cmd_bench(a) -> int:
   return 0
 
 
+def cmd_memory(a) -> int:
+  path = Path(a.config)
+  path = path / "config.json" if path.is_dir() else path
+  if not path.is_file():
+    raise FileNotFoundError(f"HF config {path} not found")
+  from inference.memory import estimate, table
+  from longspec_jax.config import ModelConfig
+
+  res = estimate(ModelConfig.from_json_file(path), a.slice, a.context, a.batch, a.dtype)
+  print(table(res))
+  _write_json(a.json, {"config": str(path), **res})
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   # Building the parser imports no jax (the registry and SharpDraft names are jax-free): --help stays fast.
   from longspec_jax.drafters import method_names
@@ -227,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = argparse.ArgumentParser(prog="longspec", description=DESCRIPTION, epilog=EPILOG,
                               formatter_class=_HelpFormatter)
+  dist = p.add_argument_group("multi-host runs (one process per host; scripts/tpu/run.sh passes --distributed)")
+  dist.add_argument("--distributed", action="store_true",
+                    help="join a multi-process JAX job first (jax.distributed.initialize); on a Cloud TPU slice "
+                         "the coordinator, process count and id come from the TPU environment")
+  dist.add_argument("--coordinator", metavar="HOST:PORT", help="coordinator address (process 0's host)")
+  dist.add_argument("--num-processes", type=positive_int, help="processes in the job")
+  dist.add_argument("--process-id", type=nonneg_int, help="this process's index, 0 .. num-processes - 1")
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
   g = sub.add_parser("generate", help="generate text with the target (shipped default unless --model)",
@@ -299,6 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
   bn.set_defaults(fn=cmd_bench)
 
+  mem = sub.add_parser("memory", help="how a target (HF config.json) fits a Cloud TPU slice, per mesh",
+                       description="Parameter and KV-cache bytes per chip for generation on a TPU slice, for every\n"
+                                   "(data, model) mesh, under the tensor-parallel sharding rules.",
+                       formatter_class=_HelpFormatter)
+  mem.add_argument("--config", required=True, help="an HF config.json, or a model directory holding one")
+  mem.add_argument("--slice", required=True, metavar="TYPE", help="accelerator type, e.g. v5litepod-16, v5p-32, v4-32")
+  mem.add_argument("--context", type=positive_int, default=32768, help="KV-cache length per sequence")
+  mem.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together")
+  mem.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="parameter and cache dtype")
+  mem.add_argument("--json", metavar="OUT", help="also write the estimate here")
+  mem.set_defaults(fn=cmd_memory)
+
   from training.calibrate_sharpdraft import add_subcommand
   add_subcommand(sub)  # calibrate-sharpdraft
 
@@ -321,6 +355,10 @@ def main(argv=None) -> int:
   """Exit codes: 0 success; 2 bad flags or inputs (argparse's convention, used for every validation error)."""
   args = build_parser().parse_args(argv)
   try:
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if args.distributed or any(f is not None for f in flags):
+      from longspec_jax.distributed import initialize
+      initialize(*flags)
     return args.fn(args)
   except (ValueError, OSError) as e:
     # An OSError raised by the OS (not by our checks) carries errno/filename: say it in words, without "[Errno N]".
