@@ -1,8 +1,9 @@
 """Multi-host for real: two local CPU processes joined by jax.distributed on localhost (gloo collectives) train a
 PARD drafter with the batch sharded across them, through the real CLI (`longspec --coordinator ...
 train-drafter`). Losses and final parameters must equal a single-process run on the same global batches (one
-process with two devices: the same mesh shape), and a two-process run stopped and resumed from its orbax
-checkpoint must end where the uninterrupted one does."""
+process with two devices: the same mesh shape). The two-process run is stopped after 3 of its 6 steps (an orbax
+checkpoint written by both processes) and resumed by a second two-process launch, so one comparison covers both
+the data-parallel steps and the multi-process checkpoint's exact resume."""
 
 import json
 import os
@@ -78,28 +79,23 @@ def _params(out: Path) -> dict:
 @pytest.mark.slow
 def test_two_processes_train_like_one(env, tmp_path):  # noqa: F811
   config = _config(env, tmp_path)
-  single, multi, resumed = tmp_path / "single", tmp_path / "multi", tmp_path / "resumed"
+  single, multi = tmp_path / "single", tmp_path / "multi"
   _train(config, single, 1)
-  _train(config, multi, 2)
-  # The same run stopped after 3 steps (orbax checkpoint written by both processes), then rerun to finish.
-  assert "checkpoints" in _train(config, resumed, 2, "--set", "stop_after_steps=3")[0]
-  _train(config, resumed, 2)
+  assert "checkpoints" in _train(config, multi, 2, "--set", "stop_after_steps=3")[0]
+  assert len(_log(multi)) == 3
+  _train(config, multi, 2)  # resumes from the step-3 checkpoint
 
-  log_1, log_2, log_r = _log(single), _log(multi), _log(resumed)
-  print("single process, 2 devices:", json.dumps(log_1, indent=0))
-  print("two processes, 1 device each:", json.dumps(log_2, indent=0))
-  assert len(log_1) == len(log_2) == STEPS and log_r[-1]["step"] == STEPS
-  for a, b in zip(log_1, log_2):
-    for k in ("loss", "grad_norm", "ntp_loss", "mask_loss"):
-      assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a, b)
-  assert log_r[-1] == log_2[-1]  # resumed across processes: same last step bit for bit
-  p1, p2, pr = _params(single), _params(multi), _params(resumed)
-  assert p1.keys() == p2.keys() == pr.keys()
+  log_1, log_2 = _log(single), _log(multi)
+  print("single process, 2 devices:", json.dumps(log_1))
+  print("two processes, 1 device each (steps 4-6 after a resume):", json.dumps(log_2))
+  # Same global batches, same mesh shape: the gradient all-reduce (gloo across processes, in-process otherwise)
+  # sums the same two shards, so losses and gradient norms agree bit for bit.
+  assert len(log_1) == STEPS and log_1 == log_2
+  p1, p2 = _params(single), _params(multi)
+  assert p1.keys() == p2.keys()
   worst = max(float(np.max(np.abs(p1[k].astype(np.float32) - p2[k].astype(np.float32)))) for k in p1)
-  print(f"final parameters: max |single - two-process| = {worst:.3g} over {len(p1)} tensors (bf16 export)")
-  assert worst <= 1e-2
-  assert all(np.array_equal(p2[k], pr[k]) for k in p2)
-
+  print(f"final parameters: max |single - two-process| = {worst:.3g} over {len(p1)} tensors (exported bf16)")
+  assert all(np.array_equal(p1[k], p2[k]) for k in p1)
 
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
             "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
