@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from longspec_jax.argtypes import fraction, nonneg_float, nonneg_int, positive_int
+
 # --drafter NAME -> (module, config class, train function); configs/drafter_NAME.yaml is the default config.
 DRAFTERS = {
     "pard": ("training.train_drafter", "DrafterTrainConfig", "train_standalone_drafter"),
@@ -48,14 +50,14 @@ def add_subcommands(subparsers) -> None:
   m.add_argument("--target", help="target model dir (default: the shipped target)")
   m.add_argument("--corpus", default="data/corpus")
   m.add_argument("--out", default="runs/drafter_data")
-  m.add_argument("--num-prompts", type=int, default=400)
-  m.add_argument("--new-tokens", type=int, default=256)
-  m.add_argument("--batch", type=int, default=16)
-  m.add_argument("--temperature", type=float, default=0.8, help="for the sampled batches")
-  m.add_argument("--greedy-fraction", type=float, default=0.5, help="share of batches decoded greedily")
-  m.add_argument("--min-prompt-tokens", type=int, default=128)
-  m.add_argument("--max-prompt-tokens", type=int, default=256)
-  m.add_argument("--seed", type=int, default=0)
+  m.add_argument("--num-prompts", type=positive_int, default=400)
+  m.add_argument("--new-tokens", type=positive_int, default=256)
+  m.add_argument("--batch", type=positive_int, default=16)
+  m.add_argument("--temperature", type=nonneg_float, default=0.8, help="for the sampled batches")
+  m.add_argument("--greedy-fraction", type=fraction, default=0.5, help="share of batches decoded greedily")
+  m.add_argument("--min-prompt-tokens", type=positive_int, default=128)
+  m.add_argument("--max-prompt-tokens", type=positive_int, default=256)
+  m.add_argument("--seed", type=nonneg_int, default=0)
   m.set_defaults(fn=cmd_make_drafter_data)
 
   t = subparsers.add_parser("train-drafter", help="train a drafter for the target on make-drafter-data output")
