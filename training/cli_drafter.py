@@ -18,10 +18,12 @@ DRAFTERS = {
 
 def cmd_make_drafter_data(a) -> int:
   from longspec_jax import default_target_dir
+  from longspec_jax.targets import resolve_target_dir
   from training.drafter_data import MANIFEST, DrafterDataConfig, make_drafter_data
 
   cfg = DrafterDataConfig(
-      target_dir=str(a.target or default_target_dir()), corpus_dir=a.corpus, out_dir=a.out,
+      target_dir=str(resolve_target_dir(a.target) if a.target else default_target_dir()), corpus_dir=a.corpus,
+      out_dir=a.out,
       num_prompts=a.num_prompts, new_tokens=a.new_tokens, batch=a.batch, temperature=a.temperature,
       greedy_fraction=a.greedy_fraction, min_prompt_tokens=a.min_prompt_tokens,
       max_prompt_tokens=a.max_prompt_tokens, seed=a.seed)
@@ -47,7 +49,7 @@ def cmd_train_drafter(a) -> int:
 def add_subcommands(subparsers) -> None:
   m = subparsers.add_parser("make-drafter-data",
                             help="generate drafter training data: corpus prompts continued by the target")
-  m.add_argument("--target", help="target model dir (default: the shipped target)")
+  m.add_argument("--target", help="target: a name (smollm2-135m), a model dir, or the shipped target (default)")
   m.add_argument("--corpus", default="data/corpus")
   m.add_argument("--out", default="runs/drafter_data")
   m.add_argument("--num-prompts", type=positive_int, default=400)
