@@ -111,6 +111,28 @@ def masked_attention(q, k, v, visible, *, scale: float | None = None, return_lse
 
 def cached_attention(q, k_cache, v_cache, q_positions, *, scale: float | None = None, return_lse: bool = False):
   """Few new queries against a static cache that already holds them. q [B, T, Hq, D] at q_positions [B, T];
-  k/v_cache [B, S, Hkv, D]. Key j is visible to a query at position p iff j <= p."""
-  visible = jnp.arange(k_cache.shape[1])[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
-  return masked_attention(q, k_cache, v_cache, visible, scale=scale, return_lse=return_lse)
+  k/v_cache [B, S, Hkv, D]. Key j is visible to a query at position p iff j <= p.
+
+  One product per KV head, with the query heads of its group merged into the rows and the batch as the only batch
+  dimension: a product with (batch, kv_head) batch dims over the [B, S, Hkv, D] cache makes XLA:CPU transpose the
+  whole cache first, about twice the time (`scripts/bench_decode_ops.py`)."""
+  b, t, hq, d = q.shape
+  s, kv_heads = k_cache.shape[1], k_cache.shape[2]
+  g = hq // kv_heads
+  scale = d ** -0.5 if scale is None else scale
+  visible = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+  visible = jnp.repeat(visible, g, axis=1)  # rows t*G + j, as the grouped queries below
+  outs, lses = [], []
+  for h in range(kv_heads):
+    qh = q[:, :, h * g:(h + 1) * g].reshape(b, t * g, d)
+    sc = jnp.einsum("brd,bsd->brs", qh, k_cache[:, :, h].astype(q.dtype), preferred_element_type=jnp.float32)
+    sc = jnp.where(visible, sc * scale, NEG_INF)
+    lse = jax.nn.logsumexp(sc, axis=-1)
+    p = jnp.exp(sc - lse[..., None])
+    o = jnp.einsum("brs,bsd->brd", p.astype(v_cache.dtype), v_cache[:, :, h], preferred_element_type=jnp.float32)
+    outs.append(o.reshape(b, t, g, d))
+    lses.append(lse.reshape(b, t, g))
+  out = jnp.concatenate(outs, axis=2).astype(q.dtype)
+  if return_lse:
+    return out, jnp.concatenate(lses, axis=2)
+  return out

@@ -1,7 +1,7 @@
 """Per-step costs of the decode loop's small ops on this machine (jitted, medians): token sampling over the
 vocabulary, and the target's attention over a static cache (all layers of the shipped target's shape), as written
-in `longspec_jax.attention.cached_attention` and as one single-batch-dim einsum per KV head (a candidate layout
-for XLA:CPU). With the memory-bandwidth floor of reading the cache once.
+in `longspec_jax.attention.cached_attention` (one single-batch-dim product per KV head) and as one product with
+(batch, kv_head) batch dims (its earlier layout). With the memory-bandwidth floor of reading the cache once.
 
   python scripts/bench_decode_ops.py --cache-len 18432 --rows 1,9
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inference.bench import _timed
-from longspec_jax.attention import NEG_INF, cached_attention
+from longspec_jax.attention import cached_attention, masked_attention
 from longspec_jax.sampling import SamplingParams, processed_log_probs, sample_token
 
 
@@ -25,20 +25,11 @@ def median_ms(fn, *args, repeats: int = 20) -> float:
   return 1000 * _timed(lambda: jax.block_until_ready(fn(*args)), repeats)[1]
 
 
-def per_head_attention(q, k_cache, v_cache, q_positions):
-  """cached_attention's maths with one batch dim per einsum: a loop over KV heads."""
-  b, t, hq, d = q.shape
-  hkv = k_cache.shape[2]
-  g = hq // hkv
+def two_batch_dim_attention(q, k_cache, v_cache, q_positions):
+  """cached_attention's maths as one product with (batch, kv_head) batch dims (its layout before it moved to one
+  product per KV head)."""
   visible = jnp.arange(k_cache.shape[1])[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
-  visible = jnp.repeat(visible, g, axis=1)  # rows t*G + g
-  outs = []
-  for h in range(hkv):
-    qh = q[:, :, h * g:(h + 1) * g].reshape(b, t * g, d)
-    s = jnp.einsum("brd,bsd->brs", qh, k_cache[:, :, h], preferred_element_type=jnp.float32) * d ** -0.5
-    p = jax.nn.softmax(jnp.where(visible, s, NEG_INF), axis=-1)
-    outs.append(jnp.einsum("brs,bsd->brd", p.astype(v_cache.dtype), v_cache[:, :, h]).reshape(b, t, g, d))
-  return jnp.concatenate(outs, axis=2)
+  return masked_attention(q, k_cache, v_cache, visible)
 
 
 def main() -> int:
@@ -78,9 +69,10 @@ def main() -> int:
     all_layers = lambda attn: jax.jit(lambda q, ck, cv, pos: sum(
         attn(q, ck[li], cv[li], pos).sum() for li in range(n_layers)))
     ref = np.asarray(jax.jit(cached_attention)(q, ck[0], cv[0], pos))
-    np.testing.assert_allclose(np.asarray(jax.jit(per_head_attention)(q, ck[0], cv[0], pos)), ref, atol=1e-4)
-    print(f"  rows={t}: cached_attention {median_ms(all_layers(cached_attention), q, ck, cv, pos):.1f}, "
-          f"per-KV-head einsum {median_ms(all_layers(per_head_attention), q, ck, cv, pos):.1f}")
+    np.testing.assert_allclose(np.asarray(jax.jit(two_batch_dim_attention)(q, ck[0], cv[0], pos)), ref, atol=1e-4)
+    print(f"  rows={t}: cached_attention (one product per KV head) "
+          f"{median_ms(all_layers(cached_attention), q, ck, cv, pos):.1f}, (batch, kv_head) batch dims "
+          f"{median_ms(all_layers(two_batch_dim_attention), q, ck, cv, pos):.1f}")
   return 0
 
 
