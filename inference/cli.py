@@ -152,15 +152,13 @@ def cmd_eval_target(a) -> int:
   from longspec_jax.hf_io import load_model_dir
   from longspec_jax.tokenizer import load_tokenizer
 
-  for f in a.text_file:
-    read_text_file(f, "text file")
-  model_dir = _model_dir(a.model)
-  model = load_model_dir(model_dir)
-  tok = load_tokenizer(model_dir)
   files = [Path(f) for f in a.text_file] if a.text_file else long_doc_paths()
   if not files:
     raise ValueError("no text files to evaluate")
-  texts = [read_text_file(f, "text file") for f in files]
+  texts = [read_text_file(f, "text file") for f in files]  # before the model loads
+  model_dir = _model_dir(a.model)
+  model = load_model_dir(model_dir)
+  tok = load_tokenizer(model_dir)
   docs = [encode_prompt(tok, t, model.cfg.bos_token_id) for t in texts]
   unigram = load_unigram(model_dir, model.cfg.vocab_size)
   source = "model_dir/unigram.npy (training-split counts)"
