@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from longspec_jax.argtypes import fraction, nonneg_float, nonneg_int, positive_int, unit_float
+from longspec_jax.argtypes import nonneg_float, nonneg_int, positive_int, unit_float
 
 DESCRIPTION = """\
 Long-context speculative decoding in JAX: generate with a target model (the shipped 8.4M default or an HF
