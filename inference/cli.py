@@ -359,8 +359,11 @@ def main(argv=None) -> int:
       initialize(*flags)
     return args.fn(args)
   except (ValueError, OSError) as e:
-    # An OSError raised by the OS (not by our checks) carries errno/filename: say it in words, without "[Errno N]".
-    msg = f"{e.strerror.lower()}: {e.filename}" if isinstance(e, OSError) and e.filename else str(e)
+    # An OSError raised by the OS (not by our checks) carries strerror/filename: say it in words, without
+    # "[Errno N]".
+    msg = str(e)
+    if isinstance(e, OSError) and e.strerror:
+      msg = e.strerror.lower() + (f": {e.filename}" if e.filename else "")
     print(f"longspec {args.command}: error: {msg}", file=sys.stderr)
     return 2
 
