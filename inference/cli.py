@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from longspec_jax.argtypes import fraction, nonneg_float, nonneg_int, positive_int, unit_float
+from longspec_jax.argtypes import nonneg_float, nonneg_int, positive_int, unit_float
 
 DESCRIPTION = """\
 Long-context speculative decoding in JAX: generate with a target model (the shipped 8.4M default or an HF
@@ -153,13 +153,11 @@ def cmd_eval_target(a) -> int:
   from inference.eval_target import evaluate_position_buckets, load_unigram, unigram_log_probs
   from longspec_jax import long_doc_paths
 
-  for f in a.text_file:
-    read_text_file(f, "text file")
-  model, tok, model_dir = _load_target(a)
   files = [Path(f) for f in a.text_file] if a.text_file else long_doc_paths()
   if not files:
     raise ValueError("no text files to evaluate")
-  texts = [read_text_file(f, "text file") for f in files]
+  texts = [read_text_file(f, "text file") for f in files]  # before the model loads
+  model, tok, model_dir = _load_target(a)
   docs = [encode_prompt(tok, t, model.cfg.bos_token_id) for t in texts]
   unigram = load_unigram(model_dir, model.cfg.vocab_size)
   source = "model_dir/unigram.npy (training-split counts)"
@@ -390,8 +388,11 @@ def main(argv=None) -> int:
       initialize(*flags)
     return args.fn(args)
   except (ValueError, OSError) as e:
-    # An OSError raised by the OS (not by our checks) carries errno/filename: say it in words, without "[Errno N]".
-    msg = f"{e.strerror.lower()}: {e.filename}" if isinstance(e, OSError) and e.filename else str(e)
+    # An OSError raised by the OS (not by our checks) carries strerror/filename: say it in words, without
+    # "[Errno N]".
+    msg = str(e)
+    if isinstance(e, OSError) and e.strerror:
+      msg = e.strerror.lower() + (f": {e.filename}" if e.filename else "")
     print(f"longspec {args.command}: error: {msg}", file=sys.stderr)
     return 2
 

@@ -20,6 +20,7 @@ The body is the engine's own prefill and decode programs (`_ar_prefill`/`_ar_dec
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import flax.struct
@@ -146,3 +147,20 @@ def generation_shardings(mesh: Mesh, config: GenerationConfig, params: Generatio
   out_sh = GenerationOutput(tokens=batch, num_new=batch, target_forwards=rep, accept_hist=rep if spec else None,
                             active_steps=batch if spec else None)
   return (param_sh, input_sh), out_sh
+
+
+def place_generation(mesh: Mesh, config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs,
+                     rules=shd.DATA_PARALLEL_RULES):
+  """(jitted generation, params, inputs) laid out on `mesh` by `generation_shardings`. Works when the mesh spans
+  several processes (multi-host): every process calls it with the same host values; parameters are placed from
+  host copies and each process hands over only its own rows of the batch. Gather the output with
+  `longspec_jax.distributed.host_values` (a collective: every process calls it)."""
+  (param_sh, input_sh), out_sh = generation_shardings(mesh, config, params, rules)
+  params = jax.device_put(jax.tree.map(np.asarray, params), param_sh)
+  rows = shd.global_batch({"tokens": inputs.tokens, "prompt_lens": inputs.prompt_lens}, mesh)
+  scalars = jax.device_put(jax.tree.map(np.asarray, (inputs.max_new, inputs.sampling, inputs.seed, inputs.eos_id)),
+                           shd.replicated(mesh))
+  inputs = GenerationInputs(tokens=rows["tokens"], prompt_lens=rows["prompt_lens"], max_new=scalars[0],
+                            sampling=scalars[1], seed=scalars[2], eos_id=scalars[3])
+  fn = jax.jit(functools.partial(generate_arrays, config), in_shardings=(param_sh, input_sh), out_shardings=out_sh)
+  return fn, params, inputs

@@ -60,8 +60,8 @@ def estimate(cfg: ModelConfig, accelerator_type: str, context: int, batch: int, 
     params_b = sum(n // (model_ax if split else 1) for n, split in leaves) * dt.itemsize
     kv_b = kv_per_seq * (batch // data_ax) // model_ax  # batch over "data", KV heads over "model"
     rows.append({"data": data_ax, "model": model_ax, "params_gib_per_chip": round(params_b / GIB, 3),
-                 "kv_cache_gib_per_chip": round(kv_b / GIB, 3), "total_gib_per_chip": round((params_b + kv_b) / GIB, 3),
-                 "fits": params_b + kv_b <= budget * hbm})
+                 "kv_cache_gib_per_chip": round(kv_b / GIB, 3),
+                 "total_gib_per_chip": round((params_b + kv_b) / GIB, 3), "fits": params_b + kv_b <= budget * hbm})
   return {"accelerator_type": accelerator_type, "chips": chips, "hbm_gib_per_chip": hbm / GIB,
           "parameters": n_params, "param_dtype": dt.name, "context": context, "batch": batch,
           "kv_cache_gib_per_sequence": round(kv_per_seq / GIB, 4), "budget_fraction": budget, "meshes": rows,
@@ -75,8 +75,9 @@ def table(res: dict) -> str:
            f"{'data':>5} {'model':>5} {'params':>9} {'kv cache':>9} {'total':>9}  fits (<= "
            f"{res['budget_fraction']:.0%} HBM)"]
   for r in res["meshes"]:
-    lines.append(f"{r['data']:>5} {r['model']:>5} {r['params_gib_per_chip']:>8.2f}G {r['kv_cache_gib_per_chip']:>8.2f}G "
-                 f"{r['total_gib_per_chip']:>8.2f}G  {'yes' if r['fits'] else 'no'}")
+    fits = "yes" if r["fits"] else "no"
+    lines.append(f"{r['data']:>5} {r['model']:>5} {r['params_gib_per_chip']:>8.2f}G "
+                 f"{r['kv_cache_gib_per_chip']:>8.2f}G {r['total_gib_per_chip']:>8.2f}G  {fits}")
   if not res["meshes"]:
     lines.append("no (data, model) mesh divides the batch and the sharded dimensions")
   return "\n".join(lines)

@@ -28,8 +28,10 @@ def _subparsers(parser):
 
 
 def _int_flags():
+  """(subcommand or None for the top level, flag, type) of every integer flag."""
+  parser = build_parser()
   out = []
-  for name, sp in _subparsers(build_parser()).items():
+  for name, sp in [(None, parser), *_subparsers(parser).items()]:
     for a in sp._actions:
       if a.type in (int, positive_int, nonneg_int):
         out.append((name, a.option_strings[-1], a.type))
@@ -39,13 +41,13 @@ def _int_flags():
 def test_every_int_flag_is_validated():
   flags = _int_flags()
   assert ("bench", "--context", positive_int) in flags and ("generate", "--max-prompt-tokens", positive_int) in flags
-  assert len(flags) >= 20
+  assert len(flags) >= 25 and (None, "--num-processes", positive_int) in flags
   for cmd, flag, typ in flags:
     assert typ is not int, f"{cmd} {flag} accepts any integer"
     bad = ["0", "-1"] if typ is positive_int else ["-1"]
     for v in bad + ["x"]:
       with pytest.raises(SystemExit) as e:
-        build_parser().parse_args([cmd, flag, v])
+        build_parser().parse_args(([cmd] if cmd else []) + [flag, v])
       assert e.value.code == 2, (cmd, flag, v)
 
 

@@ -102,9 +102,9 @@ def test_export_and_call(target, drafter):
 
 
 SHARDED_SCRIPT = textwrap.dedent("""
-  import functools, json
+  import json
   import jax, numpy as np
-  from inference.functional import generate_arrays, generation_shardings, output_tokens, prepare_generation
+  from inference.functional import output_tokens, place_generation, prepare_generation
   from inference.generate import generate
   from longspec_jax import sharding as shd
   from longspec_jax.drafters.standalone import standalone_from_model
@@ -119,16 +119,13 @@ SHARDED_SCRIPT = textwrap.dedent("""
                                         ((4, 2), shd.TENSOR_PARALLEL_RULES, "tensor-parallel")):
     mesh = shd.make_mesh(*mesh_shape)
     for method, kw in (("ar", {}), ("pard", dict(drafter=drafter, num_draft_tokens=3))):
-      fns, compiles, same = {}, 0, []
+      fns, same = {}, []
       for seed in (0, 1):
         prompts = _prompts([5, 9, 30, 14, 22, 7, 40, 11], seed)
         config, params, inputs = prepare_generation(target, prompts, max_new_tokens=12, eos_id=-1, **kw)
-        if config not in fns:
-          in_sh, out_sh = generation_shardings(mesh, config, params, rules)
-          fns[config] = jax.jit(functools.partial(generate_arrays, config), in_shardings=in_sh,
-                                out_shardings=out_sh)
-        params, inputs = jax.device_put((params, inputs), in_sh)
-        out = fns[config](params, inputs)
+        fn, params, inputs = place_generation(mesh, config, params, inputs, rules)
+        fn = fns.setdefault(config, fn)  # the second call reuses the first call's jitted function
+        out = fn(params, inputs)
         assert out.tokens.sharding.spec == jax.sharding.PartitionSpec("data"), out.tokens.sharding
         if rules_name == "tensor-parallel":  # the target's wide weights really are split over "model"
           q = params.target["layers"][0]["self_attn"]["q_proj"]["kernel"]

@@ -97,6 +97,61 @@ def test_two_processes_train_like_one(env, tmp_path):  # noqa: F811
   print(f"final parameters: max |single - two-process| = {worst:.3g} over {len(p1)} tensors (exported bf16)")
   assert all(np.array_equal(p1[k], p2[k]) for k in p1)
 
+MULTI_PROCESS_GENERATE = """
+import json, sys
+from longspec_jax.distributed import host_values, initialize, is_main_process
+initialize(sys.argv[1], 2, int(sys.argv[2]))
+import jax
+from inference.functional import output_stats, output_tokens, place_generation, prepare_generation
+from longspec_jax import sharding as shd
+from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.model import create_model
+from tests.test_functional import _cfg, _prompts
+
+assert jax.process_count() == 2 and jax.device_count() == 2 and jax.local_device_count() == 1
+target = create_model(_cfg(), seed=0)
+drafter = standalone_from_model(create_model(_cfg(layers=1), seed=7), "pard")
+mesh = shd.make_mesh(2, 1)  # the batch split over the two processes' devices
+res = {}
+for method, kw in (("ar", {}), ("pard", dict(drafter=drafter, num_draft_tokens=3))):
+  config, params, inputs = prepare_generation(target, _prompts([5, 30, 14, 22], 0), max_new_tokens=12, eos_id=-1,
+                                              **kw)
+  fn, placed_params, placed_inputs = place_generation(mesh, config, params, inputs)
+  out = host_values(fn(placed_params, placed_inputs))  # every process gathers the global output
+  res[method] = output_tokens(out, inputs)
+  if method == "pard":
+    res["tau"] = output_stats(out)["tau"]
+print("TOKENS", json.dumps(res))
+"""
+
+
+@pytest.mark.slow
+def test_two_process_generate_equals_single_process():
+  from inference.generate import generate
+  from longspec_jax.drafters.standalone import standalone_from_model
+  from longspec_jax.model import create_model
+  from tests.test_functional import _cfg, _prompts
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  coordinator = f"localhost:{_free_port()}"
+  procs = [subprocess.Popen([sys.executable, "-c", MULTI_PROCESS_GENERATE, coordinator, str(i)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  for p, o in zip(procs, outs):
+    assert p.returncode == 0, o[-3000:]
+  results = [json.loads(o.split("TOKENS ", 1)[1].splitlines()[0]) for o in outs]
+  assert results[0] == results[1]  # both processes gathered the same global output
+  target = create_model(_cfg(), seed=0)
+  drafter = standalone_from_model(create_model(_cfg(layers=1), seed=7), "pard")
+  prompts = _prompts([5, 30, 14, 22], 0)
+  ar = generate(target, prompts, max_new_tokens=12, eos_id=-1)
+  spec = generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=drafter, num_draft_tokens=3)
+  print(f"two processes: AR tokens == single-process AR: {results[0]['ar'] == ar.tokens}; speculative tokens == "
+        f"single-process: {results[0]['pard'] == spec.tokens}; tau {results[0]['tau']:.3f} vs {spec.stats['tau']:.3f}")
+  assert results[0]["ar"] == ar.tokens and results[0]["pard"] == spec.tokens == ar.tokens
+  assert results[0]["tau"] == spec.stats["tau"]
+
+
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
             "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
             "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000,
