@@ -152,6 +152,17 @@ def cmd_bench(a) -> int:
   return 0
 
 
+def cmd_bench_suite(a) -> int:
+  from inference.bench_suite import load_config, run_suite
+  cfg = load_config(a.config, a.set)
+  out = Path(a.out) if a.out else Path("results/bench_suite") / Path(a.config).stem
+  command = " ".join(["longspec bench-suite", "--config", a.config, *(f"--set {s}" for s in a.set),
+                      *(["--out", a.out] if a.out else [])])
+  res = run_suite(cfg, out, command=command)
+  print((out / "results.md").read_text())
+  return 1 if res["runs"][-1]["failed"] else 0  # a method that could not be built
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="longspec", description=__doc__)
   sub = p.add_subparsers(dest="command", required=True)
@@ -214,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
                   help="SharpDraft query scaling of the drafter (needs sharpdraft.json: calibrate-sharpdraft)")
   bn.add_argument("--json")
   bn.set_defaults(fn=cmd_bench)
+
+  bs = sub.add_parser("bench-suite", help="methods x contexts x prompts vs AR: tau with CIs, speedup, plots")
+  bs.add_argument("--config", required=True, help="YAML (configs/bench/*.yaml; keys in inference/bench_suite.py)")
+  bs.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+  bs.add_argument("--out", help="output directory (default results/bench_suite/<config name>); reruns resume")
+  bs.set_defaults(fn=cmd_bench_suite)
 
   from training.calibrate_sharpdraft import add_subcommand
   add_subcommand(sub)  # calibrate-sharpdraft
