@@ -38,6 +38,7 @@ from flax import nnx
 
 from inference.generate import ar_decode_program, ar_start_state, cache_len_for
 from inference.speculative import spec_decode_program, spec_start_state
+from longspec_jax.drafters.base import ProposeContext, state_nbytes
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOCOL = (8, 4)  # the measurement protocol asks for >= 8 prompts from >= 4 documents per context
@@ -172,6 +173,25 @@ def load_target(model: str):
                                                       "weights_sha256": weights_sha256(path)}
 
 
+def drafter_checkpoint(m: MethodSpec) -> dict | None:
+  """The checkpoint a method's drafter loads (directory and a hash of its weights, config.json and
+  sharpdraft.json), so that results of a retrained drafter are never mixed with the old ones; None for methods
+  without a checkpoint (AR, prompt lookup)."""
+  from longspec_jax.drafters import drafter_path
+  from longspec_jax.hf_io import weights_sha256
+  if m.name == "ar":
+    return None
+  try:
+    path = drafter_path(m.name, m.drafter_dir)
+  except FileNotFoundError:
+    return None
+  h = hashlib.sha256(weights_sha256(path).encode())
+  for name in ("config.json", "sharpdraft.json"):
+    if (path / name).exists():
+      h.update((path / name).read_bytes())
+  return {"dir": str(path), "sha256": h.hexdigest()}
+
+
 # ---- prompts
 
 
@@ -231,7 +251,7 @@ def _git() -> dict:
       return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
       return None
-  status = run("status", "--porcelain")
+  status = run("status", "--porcelain", "--untracked-files=no")  # tracked files changed since the commit
   return {"commit": run("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
@@ -349,13 +369,81 @@ def _decode(timer: _Timer, key, state0, run, repeats: int):
   return timer.timed(key, lambda: run(next(copies)), repeats)
 
 
+@dataclasses.dataclass
+class _Prefilled:
+  """One prompt's shared prefill and what every method's start state is built from."""
+  tokens: jax.Array  # [1, T bucket]
+  lens: jax.Array  # [1]
+  max_len: int
+  cache: object
+  last_logits: jax.Array
+  taps: tuple  # the tap indices all_taps holds, in order
+  all_taps: jax.Array | None
+  new_kv: tuple | None
+  prefill_s: float
+
+
+def _prefill_prompt(timer: _Timer, graphdef, params, ids: list[int], pad_id: int, ctx: int, max_len: int,
+                    t_bucket: int, specs: list) -> _Prefilled:
+  taps = tuple(sorted({t for s in specs for t in s.taps}))
+  return_kv = any(s.needs_target_kv for s in specs)
+  tokens = np.full((1, t_bucket), pad_id, np.int32)
+  tokens[0, :len(ids)] = ids
+  tokens, lens = jnp.asarray(tokens), jnp.asarray([len(ids)], jnp.int32)
+  (cache, last_logits, all_taps, new_kv), prefill_s = timer.timed(
+      ("prefill", ctx, taps, return_kv),
+      lambda: prefill_program(graphdef, params, tokens, lens, max_len=max_len, taps=taps, return_kv=return_kv), 1)
+  return _Prefilled(tokens, lens, max_len, cache, last_logits, taps, all_taps, new_kv, prefill_s)
+
+
+def _generated(state, prompt_len: int) -> list[int]:
+  return np.asarray(state.tokens[0, prompt_len:prompt_len + int(state.num_new[0])]).tolist()
+
+
+def _measure_ar(timer: _Timer, graphdef, params, pre: _Prefilled, ctx: int, sp, seed, cfg: SuiteConfig, eos: int):
+  """AR from the shared prefill: (final state, median decode seconds)."""
+  max_new, eos = jnp.int32(cfg.new_tokens), jnp.int32(eos)
+  start = ar_start_program(pre.tokens, pre.lens, pre.cache, pre.last_logits, max_new, sp, seed, eos,
+                           max_len=pre.max_len)
+  run = lambda st: ar_decode_program(graphdef, params, st, max_new, sp, eos)
+  return _decode(timer, ("ar", ctx, bool(sp.temperature > 0)), start, run, cfg.repeats)
+
+
+def _measure_spec(timer: _Timer, graphdef, params, pre: _Prefilled, drafter, m: MethodSpec, ctx: int, sp, seed,
+                  cfg: SuiteConfig, eos: int) -> dict:
+  """A speculative method from the shared prefill: the decode loop (timed), then its first draft and verify passes
+  timed apart (profiling mode)."""
+  spec, dparams, k = drafter.spec, drafter.params, m.num_draft
+  sample = bool(sp.temperature > 0)
+  max_new, eos = jnp.int32(cfg.new_tokens), jnp.int32(eos)
+  sel = jnp.asarray([pre.taps.index(t) for t in spec.taps], jnp.int32)
+  start = spec_start_program(spec, dparams, pre.tokens, pre.lens, pre.cache, pre.last_logits,
+                             pre.all_taps[:, :, sel] if spec.taps else None,
+                             pre.new_kv if spec.needs_target_kv else None, max_new, sp, seed, eos,
+                             max_len=pre.max_len, num_draft=k)
+  run = lambda st: spec_decode_program(graphdef, params, spec, dparams, st, max_new, sp, seed, eos, num_draft=k,
+                                       sample=sample)
+  state, decode_s = _decode(timer, (m.text, ctx, sample), start, run, cfg.repeats)
+  ctx_now = ProposeContext(tokens=start.tokens, num_tokens=start.num_tokens, sampling=sp)
+  drafts, draft_s = timer.timed(("draft", m.text, ctx, sample), lambda: draft_program(
+      spec, dparams, start.drafter_state, ctx_now, jax.random.key(0), num_draft=k, sample=sample), cfg.repeats)
+  n = int(pre.lens[0])
+  block = jnp.concatenate([start.tokens[:, n:n + 1], drafts], axis=1)  # [pending, drafts]
+  _, verify_s = timer.timed(("verify", ctx, k, spec.taps, spec.needs_target_kv), lambda: verify_program(
+      graphdef, params, start.target_cache, block, taps=spec.taps, return_kv=spec.needs_target_kv), cfg.repeats)
+  new, steps = int(state.num_new[0]), int(state.active_steps[0])
+  return dict(new_tokens=new, decode_s=decode_s, target_forwards=int(state.step), tau=(new - 1) / max(steps, 1),
+              accept_hist=np.asarray(state.accept_hist).tolist(), draft_ms_per_step=1000 * draft_s,
+              verify_ms_per_step=1000 * verify_s, drafter_state_bytes=state_nbytes(start.drafter_state),
+              tokens=_generated(state, n))
+
+
 def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = True) -> dict:
   """Runs every (method, context, temperature, prompt) not yet on disk under `out`, then writes the outputs."""
   from tqdm import tqdm
 
   from longspec_jax import long_doc_paths
   from longspec_jax.drafters import build_drafter
-  from longspec_jax.drafters.base import ProposeContext, state_nbytes
   from longspec_jax.sampling import SamplingParams
 
   methods = validate(cfg)
@@ -369,128 +457,86 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
   prompts = [{"index": i, "doc": doc_paths[d].name, "doc_sha256": hashlib.sha256(doc_paths[d].read_bytes()).hexdigest(),
               "end_token": end, "doc_tokens": len(docs[d])} for i, (d, end) in enumerate(cuts)]
   max_k = max(m.num_draft for m in methods)
-  need = max(cfg.contexts) + cfg.new_tokens + max_k + 1
-  if need > mcfg.max_position_embeddings:
+  if max(cfg.contexts) + cfg.new_tokens + max_k + 1 > mcfg.max_position_embeddings:
     raise ValueError(f"context {max(cfg.contexts)} + new_tokens {cfg.new_tokens} + K+1 {max_k + 1} exceeds the "
                      f"target's maximum context {mcfg.max_position_embeddings}")
   eos = -1 if mcfg.eos_token_id is None else mcfg.eos_token_id
+  checkpoints = {m.text: drafter_checkpoint(m) for m in methods}
 
   def fp(m: MethodSpec, ctx: int, temp: float, p: dict) -> str:
-    return _fingerprint(target["weights_sha256"], m.text, m.num_draft, ctx, temp, p["doc_sha256"], p["end_token"],
-                        cfg.new_tokens, cfg.seed, cfg.repeats)
+    return _fingerprint(target["weights_sha256"], m.text, m.num_draft, checkpoints[m.text], ctx, temp,
+                        p["doc_sha256"], p["end_token"], cfg.new_tokens, cfg.seed, cfg.repeats)
 
-  done = {}
-  for r in load_records(out):
-    done[(r["method"], r["context"], r["temperature"], r["prompt"])] = r
+  done = {(r["method"], r["context"], r["temperature"], r["prompt"]): r for r in load_records(out)}
   todo = []
   for ctx in cfg.contexts:
     for p in prompts:
-      for temp in cfg.temperatures:
+      for temp in map(float, cfg.temperatures):
         for m in methods:
-          r = done.get((m.text, ctx, float(temp), p["index"]))
+          r = done.get((m.text, ctx, temp, p["index"]))
           if r is None:
-            todo.append((ctx, p["index"], float(temp), m))
-          elif r["fingerprint"] != fp(m, ctx, float(temp), p):
-            raise ValueError(f"{out} holds a result for {m.text} at context {ctx}, T={temp}, prompt {p['index']} "
-                             "from a different configuration (target, prompts, new_tokens, seed, repeats or K): "
-                             "use another --out")
+            todo.append((ctx, p["index"], temp, m))
+          elif r["fingerprint"] != fp(m, ctx, temp, p):
+            raise ValueError(f"{out} holds a result for {m.text} at context {ctx}, T={temp:g}, prompt {p['index']} "
+                             "from a different configuration (target, drafter checkpoint, prompts, new_tokens, seed, "
+                             "repeats or K): use another --out")
 
   run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-  run_info = {"run_id": run_id, "command": command, "started": run_id, "git": _git(), "machine": machine_info(),
+  run_info = {"run_id": run_id, "command": command, "git": _git(), "machine": machine_info(),
               "loadavg_1min_start": os.getloadavg()[0], "todo": len(todo)}
-  ticks0, wall0, cpu0 = _cpu_ticks(), time.perf_counter(), time.process_time()
-  loads = [os.getloadavg()[0]]
+  ticks0, wall0, cpu0, loads = _cpu_ticks(), time.perf_counter(), time.process_time(), [os.getloadavg()[0]]
   timer = _Timer()
   graphdef, params = nnx.split(model)
-  drafters: dict[str, object] = {}
+  drafters, failed = {}, {}
   bar = tqdm(total=len(todo), file=sys.stderr, disable=not progress, desc="bench-suite", unit="run")
-  failed: dict[str, str] = {}
   for ctx in cfg.contexts:
+    t_bucket, max_len = cache_len_for(ctx, cfg.new_tokens, extra=max_k + 1)  # one cache size for all methods
     for p in prompts:
       units = [u for u in todo if u[0] == ctx and u[1] == p["index"]]
-      if not units:
-        continue
-      for m in {u[3].text: u[3] for u in units}.values():
-        if m.name != "ar" and m.text not in drafters and m.text not in failed:
+      for m in {u[3].text: u[3] for u in units if u[3].name != "ar"}.values():
+        if m.text not in drafters and m.text not in failed:
           try:
             drafters[m.text] = build_drafter(m.name, model, m.drafter_dir, **dict(m.options))
           except (ValueError, FileNotFoundError) as e:
             failed[m.text] = f"{type(e).__name__}: {e}"
             tqdm.write(f"bench-suite: {m.text} skipped: {failed[m.text]}", file=sys.stderr)
+            bar.update(sum(u[3].text == m.text for u in todo))
       units = [u for u in units if u[3].text not in failed]
-      live = [drafters[u[3].text].spec for u in units if u[3].name != "ar"]
-      taps = tuple(sorted({t for s in live for t in s.taps}))
-      return_kv = any(s.needs_target_kv for s in live)
+      if not units:
+        continue
       ids = prompt_ids(docs[cuts[p["index"]][0]], p["end_token"], ctx, mcfg.bos_token_id)
-      t_bucket, max_len = cache_len_for(len(ids), cfg.new_tokens, extra=max_k + 1)
-      tokens = np.full((1, t_bucket), mcfg.pad_token_id or 0, np.int32)
-      tokens[0, :len(ids)] = ids
-      tokens, lens = jnp.asarray(tokens), jnp.asarray([len(ids)], jnp.int32)
-      (cache, last_logits, all_taps, new_kv), prefill_s = timer.timed(
-          ("prefill", ctx, taps, return_kv), lambda: prefill_program(graphdef, params, tokens, lens, max_len=max_len,
-                                                                     taps=taps, return_kv=return_kv), 1)
-      max_new, seed = jnp.int32(cfg.new_tokens), jnp.uint32(cfg.seed + p["index"])
-      for temp in cfg.temperatures:
-        temp_units = [u for u in units if u[2] == float(temp)]
-        if not temp_units:
-          continue
-        sp = SamplingParams.make(float(temp))
-        sample = float(temp) > 0
-        ar0 = ar_start_program(tokens, lens, cache, last_logits, max_new, sp, seed, jnp.int32(eos), max_len=max_len)
-        ar_run = lambda st: ar_decode_program(graphdef, params, st, max_new, sp, jnp.int32(eos))
-        ar_state, ar_s = _decode(timer, ("ar", ctx, sample), ar0, ar_run, cfg.repeats)
-        ar_new = int(ar_state.num_new[0])
-        ar_tokens = np.asarray(ar_state.tokens[0, len(ids):len(ids) + ar_new]).tolist()
-        for _, _, _, m in temp_units:
+      pre = _prefill_prompt(timer, graphdef, params, ids, mcfg.pad_token_id or 0, ctx, max_len, t_bucket,
+                            [drafters[u[3].text].spec for u in units if u[3].name != "ar"])
+      seed = jnp.uint32(cfg.seed + p["index"])
+      for temp in dict.fromkeys(u[2] for u in units):
+        sp = SamplingParams.make(temp)
+        ar_state, ar_s = _measure_ar(timer, graphdef, params, pre, ctx, sp, seed, cfg, eos)
+        ar_tokens = _generated(ar_state, len(ids))
+        for m in [u[3] for u in units if u[2] == temp]:
           rec = {"method": m.text, "name": m.name, "options": dict(m.options), "num_draft": m.num_draft,
-                 "context": ctx, "temperature": float(temp), "prompt": p["index"], "run_id": run_id,
-                 "fingerprint": fp(m, ctx, float(temp), p), "prefill_ms": 1000 * prefill_s,
-                 "ar_new_tokens": ar_new, "ar_decode_s": ar_s, "ar_target_forwards": int(ar_state.steps)}
-          if m.name == "ar":  # AR timed again as a method: its speedup shows the timing noise
-            st, s = _decode(timer, ("ar", ctx, sample), ar0, ar_run, cfg.repeats)
-            new = int(st.num_new[0])
-            rec.update(new_tokens=new, decode_s=s, target_forwards=int(st.steps), tau=1.0, accept_hist=[],
-                       draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,
-                       tokens=np.asarray(st.tokens[0, len(ids):len(ids) + new]).tolist())
+                 "drafter_checkpoint": checkpoints[m.text], "context": ctx, "temperature": temp,
+                 "prompt": p["index"], "run_id": run_id, "fingerprint": fp(m, ctx, temp, p),
+                 "prefill_ms": 1000 * pre.prefill_s, "ar_new_tokens": len(ar_tokens), "ar_decode_s": ar_s,
+                 "ar_target_forwards": int(ar_state.steps)}
+          if m.name == "ar":  # AR timed again as if it were a method: its speedup shows the timing noise
+            st, s = _measure_ar(timer, graphdef, params, pre, ctx, sp, seed, cfg, eos)
+            rec.update(new_tokens=int(st.num_new[0]), decode_s=s, target_forwards=int(st.steps), tau=1.0,
+                       accept_hist=[], draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,
+                       tokens=_generated(st, len(ids)))
           else:
-            d = drafters[m.text]
-            spec, k = d.spec, m.num_draft
-            sel = [taps.index(t) for t in spec.taps]
-            start = spec_start_program(spec, d.params, tokens, lens, cache, last_logits,
-                                       all_taps[:, :, jnp.asarray(sel)] if sel else None,
-                                       new_kv if spec.needs_target_kv else None, max_new, sp, seed, jnp.int32(eos),
-                                       max_len=max_len, num_draft=k)
-            run = lambda st: spec_decode_program(graphdef, params, spec, d.params, st, max_new, sp, seed,
-                                                 jnp.int32(eos), num_draft=k, sample=sample)
-            st, s = _decode(timer, (m.text, ctx, sample), start, run, cfg.repeats)
-            new, steps = int(st.num_new[0]), int(st.active_steps[0])
-            # One draft and one verify pass at this context, timed apart (profiling mode): the first step.
-            pctx = ProposeContext(tokens=start.tokens, num_tokens=start.num_tokens, sampling=sp)
-            drafts, draft_s = timer.timed(("draft", m.text, ctx, sample), lambda: draft_program(
-                spec, d.params, start.drafter_state, pctx, jax.random.key(0), num_draft=k, sample=sample),
-                cfg.repeats)
-            block = jnp.concatenate([start.tokens[:, len(ids):len(ids) + 1], drafts], axis=1)
-            _, verify_s = timer.timed(("verify", ctx, k, spec.taps, spec.needs_target_kv), lambda: verify_program(
-                graphdef, params, start.target_cache, block, taps=spec.taps, return_kv=spec.needs_target_kv),
-                cfg.repeats)
-            rec.update(new_tokens=new, decode_s=s, target_forwards=int(st.step),
-                       tau=(new - 1) / max(steps, 1), accept_hist=np.asarray(st.accept_hist).tolist(),
-                       draft_ms_per_step=1000 * draft_s, verify_ms_per_step=1000 * verify_s,
-                       drafter_state_bytes=state_nbytes(start.drafter_state),
-                       tokens=np.asarray(st.tokens[0, len(ids):len(ids) + new]).tolist())
-          rec["exact_match_ar"] = (rec["tokens"] == ar_tokens) if not sample else None
-          rec["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-          rec["rss_bytes"] = _rss_bytes()
-          with open(_cell_path(out, m, ctx, float(temp)), "a") as f:
+            rec.update(_measure_spec(timer, graphdef, params, pre, drafters[m.text], m, ctx, sp, seed, cfg, eos))
+          rec.update(exact_match_ar=(rec["tokens"] == ar_tokens) if temp == 0 else None,
+                     peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes=_rss_bytes())
+          with open(_cell_path(out, m, ctx, temp), "a") as f:
             f.write(json.dumps(rec) + "\n")
           loads.append(os.getloadavg()[0])
           bar.set_postfix_str(f"ctx {ctx} T={temp:g} {m.text} tau {rec['tau']:.2f}", refresh=False)
           bar.update()
   bar.close()
-  ticks1 = _cpu_ticks()
-  run_info.update(loadavg_1min_end=os.getloadavg()[0], loadavg_1min_samples={"min": min(loads), "max": max(loads),
-                  "mean": float(np.mean(loads)), "n": len(loads)}, wall_s=time.perf_counter() - wall0,
-                  own_cpu_s=time.process_time() - cpu0, other_processes_cpu_s=_other_cpu_s(ticks0, ticks1),
+  run_info.update(loadavg_1min_end=os.getloadavg()[0], wall_s=time.perf_counter() - wall0,
+                  loadavg_1min_samples={"min": min(loads), "max": max(loads), "mean": float(np.mean(loads)),
+                                        "n": len(loads)},
+                  own_cpu_s=time.process_time() - cpu0, other_processes_cpu_s=_other_cpu_s(ticks0, _cpu_ticks()),
                   failed=failed)
   with open(out / "runs.jsonl", "a") as f:
     f.write(json.dumps(run_info) + "\n")
