@@ -127,11 +127,13 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
   return out
 
 
-def transformers_peers(model_dir: Path, drafter_dir: Path | None, prompts: list[list[int]], new_tokens: int,
+def transformers_peers(model, model_dir: Path, drafter_dir: Path | None, prompts: list[list[int]], new_tokens: int,
                        num_draft: int, temperature: float = 0.0, seed: int = 0, repeats: int = 3) -> dict:
   """Decode tokens/s of transformers AR, assisted generation (exported standalone drafter) and prompt lookup on
-  the same exported weights (fp32, CPU); greedy, or sampling at `temperature` with no top-k / top-p. Decode time
-  is a full call minus a 1-token call, medians over `repeats` after a warm-up."""
+  the same weights as `model` (fp32, CPU; its config, RoPE-scaling override included, is exported with them);
+  greedy, or sampling at `temperature` with no top-k / top-p. Decode time is a full call minus a 1-token call,
+  medians over `repeats` after a warm-up. Assisted generation runs only when the drafter shares the target's
+  vocabulary (the shipped PARD drafter belongs to the shipped target)."""
   import tempfile
 
   import torch
@@ -139,12 +141,14 @@ def transformers_peers(model_dir: Path, drafter_dir: Path | None, prompts: list[
 
   from longspec_jax.hf_io import load_model_dir, save_model_dir
   tmp = Path(tempfile.mkdtemp())
-  save_model_dir(load_model_dir(model_dir), tmp / "target", tokenizer_dir=model_dir)
+  save_model_dir(model, tmp / "target", tokenizer_dir=model_dir)
   target = AutoModelForCausalLM.from_pretrained(tmp / "target", dtype=torch.float32).eval()
   assistant = None
   if drafter_dir is not None:
-    save_model_dir(load_model_dir(drafter_dir), tmp / "drafter")
-    assistant = AutoModelForCausalLM.from_pretrained(tmp / "drafter", dtype=torch.float32).eval()
+    drafter = load_model_dir(drafter_dir, check_tokenizer=False)
+    if drafter.cfg.vocab_size == model.cfg.vocab_size:
+      save_model_dir(drafter, tmp / "drafter")
+      assistant = AutoModelForCausalLM.from_pretrained(tmp / "drafter", dtype=torch.float32).eval()
   ids = torch.tensor(prompts[:1])
   runs = {"transformers-ar": {}, "transformers-prompt-lookup": {"prompt_lookup_num_tokens": num_draft}}
   if assistant is not None:
@@ -156,7 +160,8 @@ def transformers_peers(model_dir: Path, drafter_dir: Path | None, prompts: list[
   for name, extra in runs.items():
     def go(n):
       with torch.no_grad():
-        return target.generate(ids, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **sampling, **extra)
+        return target.generate(ids, max_new_tokens=n, min_new_tokens=n, pad_token_id=model.cfg.pad_token_id or 0,
+                               **sampling, **extra)
     torch.manual_seed(seed)
     go(2)
     _, t_prefill = _timed(lambda: go(1), repeats)

@@ -46,7 +46,8 @@ PROTOCOL = (8, 4)  # the measurement protocol asks for >= 8 prompts from >= 4 do
 
 @dataclasses.dataclass(frozen=True)
 class SuiteConfig:
-  model: str = ""  # the target: a model directory ("" = the shipped default target)
+  model: str = ""  # the target: a name (smollm2-135m), a model directory, or "" = the shipped default target
+  rope_scaling: str = ""  # e.g. "yarn:2" to run the target past its trained context ("" = none)
   methods: tuple[str, ...] = ("prompt-lookup",)  # NAME or NAME:key=value,key=value (see parse_method)
   contexts: tuple[int, ...] = (1024,)  # prompt lengths in tokens, BOS included
   temperatures: tuple[float, ...] = (0.0,)
@@ -128,6 +129,10 @@ def _check(ok: bool, msg: str) -> None:
 def validate(cfg: SuiteConfig) -> list[MethodSpec]:
   """One clear error for a bad config (before anything is loaded); returns the parsed methods."""
   _check(isinstance(cfg.model, str), f"model must be a directory or name (a string), got {cfg.model!r}")
+  _check(isinstance(cfg.rope_scaling, str), f"rope_scaling must be a string like yarn:2, got {cfg.rope_scaling!r}")
+  if cfg.rope_scaling:
+    from longspec_jax.targets import parse_rope_scaling
+    parse_rope_scaling(cfg.rope_scaling)
   for key in ("methods", "contexts", "temperatures", "docs"):
     _check(isinstance(getattr(cfg, key), tuple), f"{key} must be a list, got {getattr(cfg, key)!r}")
   _check(len(cfg.methods) > 0, "methods is empty")
@@ -160,17 +165,16 @@ def load_config(path, overrides: list[str] | None = None) -> SuiteConfig:
   return cfg
 
 
-def load_target(model: str):
-  """(model, tokenizer, description) for the config's `model:`: "" = the shipped default target, else a model
-  directory (config.json + safetensors + tokenizer.json). Named targets plug in here."""
-  from longspec_jax import default_target_dir
-  from longspec_jax.hf_io import load_model_dir, weights_sha256
+def load_target(model: str, rope_scaling: str = ""):
+  """(model, tokenizer, description) for the config's `model:` (a named target such as smollm2-135m, a model
+  directory, or "" for the shipped default) and `rope_scaling:` (e.g. "yarn:2"; "" = none)."""
+  from longspec_jax.hf_io import weights_sha256
+  from longspec_jax.targets import load_target as load, resolve_target_dir
   from longspec_jax.tokenizer import load_tokenizer
-  path = Path(model) if model else default_target_dir()
-  if not (path / "config.json").exists():
-    raise FileNotFoundError(f"target {model!r}: no model directory (config.json) at {path}")
-  return load_model_dir(path), load_tokenizer(path), {"model": model or "shipped default", "dir": str(path),
-                                                      "weights_sha256": weights_sha256(path)}
+  path = resolve_target_dir(model or None)
+  return (load(path, rope_scaling=rope_scaling or None), load_tokenizer(path),
+          {"model": model or "shipped default", "dir": str(path), "rope_scaling": rope_scaling or None,
+           "weights_sha256": weights_sha256(path)})
 
 
 def drafter_checkpoint(m: MethodSpec) -> dict | None:
@@ -449,7 +453,7 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
   methods = validate(cfg)
   out = Path(out)
   (out / "cells").mkdir(parents=True, exist_ok=True)
-  model, tok, target = load_target(cfg.model)
+  model, tok, target = load_target(cfg.model, cfg.rope_scaling)
   mcfg = model.cfg
   doc_paths = [Path(d) for d in cfg.docs] or long_doc_paths()
   docs = [tok.encode(p.read_text()).ids for p in doc_paths]
@@ -462,10 +466,12 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
                      f"target's maximum context {mcfg.max_position_embeddings}")
   eos = -1 if mcfg.eos_token_id is None else mcfg.eos_token_id
   checkpoints = {m.text: drafter_checkpoint(m) for m in methods}
+  # A RoPE override changes the target but not its weights.
+  target_id = target["weights_sha256"] + (f"+{cfg.rope_scaling}" if cfg.rope_scaling else "")
 
   def fp(m: MethodSpec, ctx: int, temp: float, p: dict) -> str:
-    return _fingerprint(target["weights_sha256"], m.text, m.num_draft, checkpoints[m.text], ctx, temp,
-                        p["doc_sha256"], p["end_token"], cfg.new_tokens, cfg.seed, cfg.repeats)
+    return _fingerprint(target_id, m.text, m.num_draft, checkpoints[m.text], ctx, temp, p["doc_sha256"],
+                        p["end_token"], cfg.new_tokens, cfg.seed, cfg.repeats)
 
   done = {(r["method"], r["context"], r["temperature"], r["prompt"]): r for r in load_records(out)}
   todo = []

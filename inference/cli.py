@@ -10,8 +10,17 @@ from pathlib import Path
 
 
 def _model_dir(arg: str | None) -> Path:
-  from longspec_jax import default_target_dir
-  return Path(arg) if arg else default_target_dir()
+  """--model: a named target (converted on first use), an HF directory, or the shipped default."""
+  from longspec_jax.targets import resolve_target_dir
+  return resolve_target_dir(arg)
+
+
+def _load_target(a):
+  """(model, tokenizer, model dir) for --model / --rope-scaling."""
+  from longspec_jax.targets import load_target
+  from longspec_jax.tokenizer import load_tokenizer
+  model_dir = _model_dir(a.model)
+  return load_target(model_dir, rope_scaling=a.rope_scaling), load_tokenizer(model_dir), model_dir
 
 
 def _write_json(path: str | None, obj: dict) -> None:
@@ -27,17 +36,13 @@ def encode_prompt(tok, text: str, bos_id: int | None) -> list[int]:
 
 def cmd_generate(a) -> int:
   from inference.generate import generate
-  from longspec_jax.hf_io import load_model_dir
-  from longspec_jax.tokenizer import load_tokenizer
 
   if (a.prompt is None) == (a.prompt_file is None):
     raise SystemExit("error: give exactly one of --prompt TEXT or --prompt-file F")
   text = a.prompt if a.prompt is not None else Path(a.prompt_file).read_text()
   if not text:
     raise SystemExit("error: the prompt is empty")
-  model_dir = _model_dir(a.model)
-  model = load_model_dir(model_dir)
-  tok = load_tokenizer(model_dir)
+  model, tok, _ = _load_target(a)
   ids = encode_prompt(tok, text, model.cfg.bos_token_id)
   if a.max_prompt_tokens:
     ids = ids[:a.max_prompt_tokens]
@@ -87,9 +92,8 @@ def cmd_train_target(a) -> int:
 
 
 def cmd_export_hf(a) -> int:
-  from longspec_jax.hf_io import load_model_dir, save_model_dir
-  src = _model_dir(a.model)
-  model = load_model_dir(src)
+  from longspec_jax.hf_io import save_model_dir
+  model, _, src = _load_target(a)
   save_model_dir(model, a.out, tokenizer_dir=src)
   print(f"wrote {a.out}")
   return 0
@@ -98,12 +102,8 @@ def cmd_export_hf(a) -> int:
 def cmd_eval_target(a) -> int:
   from inference.eval_target import evaluate_position_buckets, load_unigram, unigram_log_probs
   from longspec_jax import long_doc_paths
-  from longspec_jax.hf_io import load_model_dir
-  from longspec_jax.tokenizer import load_tokenizer
 
-  model_dir = _model_dir(a.model)
-  model = load_model_dir(model_dir)
-  tok = load_tokenizer(model_dir)
+  model, tok, model_dir = _load_target(a)
   files = [Path(f) for f in a.text_file] if a.text_file else long_doc_paths()
   if not files:
     raise SystemExit("error: no text files to evaluate")
@@ -117,7 +117,8 @@ def cmd_eval_target(a) -> int:
     unigram, source = unigram_log_probs(docs, model.cfg.vocab_size), "in-sample counts of the evaluated text"
   t0 = time.time()
   res = evaluate_position_buckets(model, docs, unigram, max_len=a.max_len)
-  res.update(files=[str(f) for f in files], unigram_source=source, eval_s=round(time.time() - t0, 1))
+  res.update(files=[str(f) for f in files], unigram_source=source, eval_s=round(time.time() - t0, 1),
+             model=str(a.model or model_dir), rope_scaling=a.rope_scaling)
   print(json.dumps(res, indent=2))
   _write_json(a.json, res)
   return 0
@@ -126,29 +127,37 @@ def cmd_eval_target(a) -> int:
 def cmd_bench(a) -> int:
   from inference.bench import bench_prompts, run_bench, transformers_peers
   from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, method_names
-  from longspec_jax.hf_io import load_model_dir
-  from longspec_jax.tokenizer import load_tokenizer
 
   if a.method not in method_names():
     raise SystemExit(f"error: unknown method {a.method!r}; known methods: {', '.join(method_names())}")
   path = Path(a.text_file)
   if not path.exists():
     raise SystemExit(f"error: text file {path} not found")
-  model_dir = _model_dir(a.model)
-  model = load_model_dir(model_dir)
-  tok = load_tokenizer(model_dir)
+  model, tok, model_dir = _load_target(a)
   text = path.read_text()
   res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
                   a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft)
   if a.peer == "transformers":
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
     prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
-    res["peer_tokens_per_s"] = transformers_peers(model_dir, drafter_dir if drafter_dir.exists() else None,
+    res["peer_tokens_per_s"] = transformers_peers(model, model_dir, drafter_dir if drafter_dir.exists() else None,
                                                   prompts, a.new_tokens, a.num_draft, a.temperature, a.seed,
                                                   a.repeats)
-  res["text_file"] = str(path)
+  res.update(text_file=str(path), model=str(a.model or model_dir), rope_scaling=a.rope_scaling)
   print(json.dumps(res, indent=2))
   _write_json(a.json, res)
+  return 0
+
+
+MODEL_HELP = ("target: a name (smollm2-135m: converted from its PyPI-shipped GGUF on first use), an HF model "
+              "directory, or omitted for the shipped 8.4M default")
+ROPE_HELP = "RoPE scaling override to run past the trained context, e.g. yarn:2 (SmolLM2-135M: 8K -> 16K)"
+
+
+def cmd_import_gguf(a) -> int:
+  from longspec_jax.gguf_import import import_gguf
+  out = import_gguf(a.gguf, a.out, dtype=a.dtype)
+  print(f"wrote {out}")
   return 0
 
 
@@ -175,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--top-k", type=int, default=0)
   g.add_argument("--top-p", type=float, default=1.0)
   g.add_argument("--seed", type=int, default=0)
-  g.add_argument("--model")
+  g.add_argument("--model", help=MODEL_HELP)
+  g.add_argument("--rope-scaling", metavar="TYPE:FACTOR", help=ROPE_HELP)
   g.add_argument("--max-prompt-tokens", type=int, default=0, help="truncate the prompt to this many tokens")
   g.add_argument("--stats", action="store_true", help="print prefill ms and decode tokens/s to stderr")
   g.add_argument("--json")
@@ -199,11 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
 
   e = sub.add_parser("export-hf", help="write config.json + safetensors + tokenizer (transformers-loadable)")
   e.add_argument("--out", required=True)
-  e.add_argument("--model")
+  e.add_argument("--model", help=MODEL_HELP)
+  e.add_argument("--rope-scaling", metavar="TYPE:FACTOR", help=ROPE_HELP)
   e.set_defaults(fn=cmd_export_hf)
 
+  ig = sub.add_parser("import-gguf", help="convert a llama.cpp GGUF (Llama) into an HF directory (no torch)")
+  ig.add_argument("--gguf", required=True, help="path to the .gguf file")
+  ig.add_argument("--out", required=True, help="output HF directory (written atomically)")
+  ig.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the dequantized weights")
+  ig.set_defaults(fn=cmd_import_gguf)
+
   ev = sub.add_parser("eval-target", help="next-token loss per position bucket on long documents")
-  ev.add_argument("--model")
+  ev.add_argument("--model", help=MODEL_HELP)
+  ev.add_argument("--rope-scaling", metavar="TYPE:FACTOR", help=ROPE_HELP)
   ev.add_argument("--text-file", action="append", default=[])
   ev.add_argument("--max-len", type=int, default=16384)
   ev.add_argument("--json")
@@ -217,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--seed", type=int, default=0)
   bn.add_argument("--batch", type=int, default=1)
   bn.add_argument("--num-draft", type=int, default=8, help="K drafted tokens per verification")
-  bn.add_argument("--model")
+  bn.add_argument("--model", help=MODEL_HELP)
+  bn.add_argument("--rope-scaling", metavar="TYPE:FACTOR", help=ROPE_HELP)
   bn.add_argument("--drafter", help="drafter directory (default: the shipped one for the method)")
   bn.add_argument("--repeats", type=int, default=3)
   bn.add_argument("--peer", choices=["transformers"])

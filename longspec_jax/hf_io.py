@@ -122,25 +122,32 @@ def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: st
   return model
 
 
-def load_model_dir(model_dir: str | os.PathLike, *, dtype=jnp.float32, check_tokenizer: bool = True, **model_kw):
-  """Loads an HF Qwen3/Llama checkpoint directory into a `Transformer` (params in fp32)."""
+def load_model_dir(model_dir: str | os.PathLike, *, dtype=jnp.float32, check_tokenizer: bool = True,
+                   config_fn=None, param_dtype=None, **model_kw):
+  """Loads an HF Qwen3/Llama checkpoint directory into a `Transformer`.
+
+  dtype: compute dtype; param_dtype: parameter dtype (default fp32); config_fn: ModelConfig -> ModelConfig applied
+  before the model is built (e.g. a RoPE-scaling override)."""
   from longspec_jax.model import Transformer
 
   model_dir = Path(model_dir)
   if not model_dir.is_dir():
     raise FileNotFoundError(f"model directory {model_dir} does not exist")
   cfg = ModelConfig.from_json_file(model_dir / "config.json")
+  if config_fn is not None:
+    cfg = config_fn(cfg)
   tensors = _read_tensors(model_dir)
   if cfg.tie_word_embeddings:
     tensors.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, **model_kw))
   graphdef, abstract = nnx.split(model)
-  concrete = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+  concrete = jax.tree.map(lambda a: jnp.zeros(a.shape, param_dtype or a.dtype), abstract)
   model = nnx.merge(graphdef, concrete)
   load_params_into(model, tensors, where=f" {model_dir}")
   if check_tokenizer and (model_dir / "tokenizer.json").exists():
-    from longspec_jax.tokenizer import check_tokenizer_matches, load_tokenizer
-    check_tokenizer_matches(load_tokenizer(model_dir), cfg.vocab_size, cfg.eos_token_id, f" in {model_dir}")
+    from longspec_jax.tokenizer import check_tokenizer_matches, eos_token_of, load_tokenizer
+    check_tokenizer_matches(load_tokenizer(model_dir), cfg.vocab_size, cfg.eos_token_id, f" in {model_dir}",
+                            eos_token_of(model_dir))
   return model
 
 

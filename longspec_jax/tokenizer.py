@@ -63,14 +63,24 @@ def special_token_ids(tok) -> dict[str, int]:
   return {k: v for k, v in ids.items() if v is not None}
 
 
-def check_tokenizer_matches(tok, vocab_size: int, eos_token_id: int | None, where: str = "") -> None:
+def eos_token_of(model_dir: str | os.PathLike) -> str:
+  """The EOS string a checkpoint's `tokenizer_config.json` names (ours: `<|endoftext|>`; SmolLM2: `<|im_end|>`)."""
+  path = Path(model_dir) / "tokenizer_config.json"
+  eos = read_json(path).get("eos_token") if path.exists() else None
+  if isinstance(eos, dict):  # older transformers write AddedToken dicts
+    eos = eos.get("content")
+  return eos or EOS_TOKEN
+
+
+def check_tokenizer_matches(tok, vocab_size: int, eos_token_id: int | None, where: str = "",
+                            eos_token: str = EOS_TOKEN) -> None:
   """A tokenizer whose ids exceed the model's vocabulary, or whose EOS differs, is the wrong tokenizer."""
   n = tok.get_vocab_size()
   if n > vocab_size:
     raise ValueError(f"tokenizer{where} has {n} tokens but the model's vocab_size is {vocab_size}: "
                      "tokenizer and model do not match")
-  if eos_token_id is not None and tok.token_to_id(EOS_TOKEN) not in (None, eos_token_id):
-    raise ValueError(f"tokenizer{where} maps {EOS_TOKEN} to {tok.token_to_id(EOS_TOKEN)} but the model's "
+  if eos_token_id is not None and tok.token_to_id(eos_token) not in (None, eos_token_id):
+    raise ValueError(f"tokenizer{where} maps {eos_token} to {tok.token_to_id(eos_token)} but the model's "
                      f"eos_token_id is {eos_token_id}: tokenizer and model do not match")
 
 

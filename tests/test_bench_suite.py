@@ -151,7 +151,7 @@ def test_method_options_and_config_errors(env, tmp_path):
          "methods=[pard:num_draft=0]": "num_draft must be an integer", "methods=[ar,ar]": "duplicates",
          "contexts=[]": "contexts must be", "contexts=[256]": "exceeds cut_min_tokens", "num_prompts=1": "num_prompts",
          "temperatures=[-1]": "temperatures", "docs=[/no/such.txt]": "not found", "ci=1.5": "ci must be",
-         "colour=red": "unknown config keys"}
+         "colour=red": "unknown config keys", "rope_scaling=yarn": "TYPE:FACTOR"}
   for override, msg in bad.items():
     with pytest.raises(ValueError, match=msg):
       load_config(_config(env, tmp_path), [override])
