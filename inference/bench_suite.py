@@ -364,7 +364,7 @@ class _Timer:
 
 def _fresh(state):
   """A copy of a start state: the decode programs donate (consume) their input."""
-  return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+  return jax.block_until_ready(jax.tree.map(lambda x: jnp.array(x, copy=True), state))
 
 
 def _decode(timer: _Timer, key, state0, run, repeats: int):
@@ -658,7 +658,7 @@ def _bytes(n) -> str:
 def markdown(results: dict) -> str:
   cfg = results["config"]
   md = [f"# Bench suite: {results['target']['model']}", ""]
-  for run in results["runs"]:
+  for run in (r for r in results["runs"] if r["todo"]):  # reruns that only re-summarized stay in results.json
     m = run["machine"]
     md.append(f"- run {run['run_id']}: `{run['command']}`; git {run['git']['commit']}"
               f"{' (dirty)' if run['git']['dirty'] else ''}; {m['cpu']} x{m['cpu_count']}, {m['jax_devices'][0]}; "
@@ -712,12 +712,15 @@ def plot(results: dict, out: Path) -> list[Path]:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.ticker import NullLocator
 
   cells = results["cells"]
   methods = list(dict.fromkeys(c["method"] for c in cells))
   temps = list(dict.fromkeys(c["temperature"] for c in cells))
   colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 8))
+  markers = dict(zip(methods, "osD^vPX*<>" * 8))  # distinct, so coinciding lines stay visible
   styles = ["-", "--", ":", "-."]
+  contexts = sorted({c["context"] for c in cells})
   specs = {"tau_vs_context": ("tau_mean", "tau_ci", "tau (tokens per target forward)", "linear"),
            "speedup_vs_context": ("speedup", "speedup_ci", "speedup vs AR (decode tokens/s)", "linear"),
            "draft_ms_vs_context": ("draft_ms_per_step", None, "draft ms per step", "log"),
@@ -734,12 +737,15 @@ def plot(results: dict, out: Path) -> list[Path]:
           continue
         x = [c["context"] for c in cs]
         label = m if len(temps) == 1 else f"{m} T={t:g}"
-        ax.plot(x, [c[key] for c in cs], styles[ti % 4], marker="o", color=colors[m], label=label)
+        ax.plot(x, [c[key] for c in cs], styles[ti % 4], marker=markers[m], color=colors[m], label=label,
+                markerfacecolor="none")
         if ci_key:
           ax.fill_between(x, [c[ci_key][0] for c in cs], [c[ci_key][1] for c in cs], color=colors[m], alpha=0.15)
     if name == "speedup_vs_context":
       ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else str(c) for c in contexts])
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_yscale(yscale)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel(ylabel)
