@@ -95,14 +95,17 @@ def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
 
 def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
               seed: int = 0, batch: int = 1, num_draft: int = 8, drafter_dir=None, repeats: int = 3,
-              top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None) -> dict:
+              top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None) -> dict:
   """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
-  in one process time AR once per context."""
+  in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
+  log = log or (lambda msg: None)
   cfg = model.cfg
   drafter = build_drafter(method, model, drafter_dir, sharpdraft=sharpdraft)
   prompts = bench_prompts(tok.encode(text).ids, context, batch, cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
+  if ar_baseline is None:
+    log(f"ar: compiling, then {repeats} timed calls")
   ar, ar_tps, ar_prefill, ar_decode = ar_baseline or decode_rate(model, prompts, new_tokens, repeats, **kw)
   out = {"method": method, "sharpdraft": sharpdraft, "context": context, "new_tokens": new_tokens,
          "batch": batch, "temperature": temperature, "seed": seed, "num_draft_tokens": num_draft if drafter else 0,
@@ -113,8 +116,10 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
                speedup=1.0, draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,
                exact_match_ar=True if temperature == 0 else None)
   else:
+    log(f"{method}: compiling, then {repeats} timed calls")
     res, tps, prefill, decode = decode_rate(model, prompts, new_tokens, repeats, drafter=drafter,
                                             num_draft_tokens=num_draft, **kw)
+    log(f"{method}: tau {res.stats['tau']:.2f}; timing one draft and one verify step")
     sp = SamplingParams.make(temperature, top_k, top_p)
     draft_ms, verify_ms, state_bytes = profile_step(model, drafter, prompts, num_draft, sp)
     out.update(tau=res.stats["tau"], accept_per_position=res.stats["accept_per_position"],
@@ -122,6 +127,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
                speedup=tps / ar_tps if tps and ar_tps else None,
                prefill_ms=1000 * prefill, decode_ms=1000 * decode, draft_ms_per_step=draft_ms,
                verify_ms_per_step=verify_ms, drafter_state_bytes=state_bytes,
+               # What a verify pass costs in AR steps (same process): speedup ~ tau / (this + draft/AR step).
+               verify_over_decode=verify_ms * ar_tps / 1000 if ar_tps else None,
                exact_match_ar=(res.tokens == ar.tokens) if temperature == 0 else None)
   out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return out

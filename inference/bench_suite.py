@@ -37,7 +37,7 @@ import yaml
 from flax import nnx
 
 from inference.generate import ar_decode_program, ar_start_state, cache_len_for
-from inference.speculative import spec_decode_program, spec_start_state
+from inference.speculative import spec_decode_program, spec_sizes, spec_start_state, spec_stats
 from longspec_jax.drafters.base import ProposeContext, state_nbytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -435,9 +435,9 @@ def _measure_spec(timer: _Timer, graphdef, params, pre: _Prefilled, drafter, m: 
   block = jnp.concatenate([start.tokens[:, n:n + 1], drafts], axis=1)  # [pending, drafts]
   _, verify_s = timer.timed(("verify", ctx, k, spec.taps, spec.needs_target_kv), lambda: verify_program(
       graphdef, params, start.target_cache, block, taps=spec.taps, return_kv=spec.needs_target_kv), cfg.repeats)
-  new, steps = int(state.num_new[0]), int(state.active_steps[0])
-  return dict(new_tokens=new, decode_s=decode_s, target_forwards=int(state.step), tau=(new - 1) / max(steps, 1),
-              accept_hist=np.asarray(state.accept_hist).tolist(), draft_ms_per_step=1000 * draft_s,
+  stats = spec_stats(state.accept_hist, state.active_steps, state.num_new, state.step)
+  return dict(new_tokens=int(state.num_new[0]), decode_s=decode_s, target_forwards=stats["target_forwards"],
+              tau=stats["tau"], accept_hist=stats["accept_hist"], draft_ms_per_step=1000 * draft_s,
               verify_ms_per_step=1000 * verify_s, drafter_state_bytes=state_nbytes(start.drafter_state),
               tokens=_generated(state, n))
 
@@ -502,7 +502,9 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
       for m in {u[3].text: u[3] for u in units if u[3].name != "ar"}.values():
         if m.text not in drafters and m.text not in failed:
           try:
-            drafters[m.text] = build_drafter(m.name, model, m.drafter_dir, **dict(m.options))
+            d = build_drafter(m.name, model, m.drafter_dir, **dict(m.options))
+            spec_sizes(mcfg, d.spec, max(cfg.contexts), cfg.new_tokens, m.num_draft)  # vocabulary, fit
+            drafters[m.text] = d
           except (ValueError, FileNotFoundError) as e:
             failed[m.text] = f"{type(e).__name__}: {e}"
             tqdm.write(f"bench-suite: {m.text} skipped: {failed[m.text]}", file=sys.stderr)

@@ -139,6 +139,14 @@ def cache_len_for(prompt_len: int, max_new_tokens: int, extra: int = 0) -> tuple
   return t, bucket(t + max_new_tokens + extra)
 
 
+def ar_sizes(cfg, longest: int, max_new_tokens: int) -> tuple[int, int]:
+  """(prompt bucket, cache length) for AR generation; raises if the longest prompt cannot get max_new_tokens."""
+  if longest + max_new_tokens > cfg.max_position_embeddings:
+    raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                     f"model's maximum context {cfg.max_position_embeddings}")
+  return cache_len_for(longest, max_new_tokens)
+
+
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
              drafter=None, num_draft_tokens: int = 0) -> GenerationResult:
@@ -159,10 +167,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, 
     if not isinstance(drafter, LoadedDrafter):
       drafter = LoadedDrafter(drafter)
     return speculative_generate(model, drafter, prompts, max_new_tokens, sp, seed, eos, num_draft_tokens)
-  t_bucket, max_len = cache_len_for(max(map(len, prompts)), max_new_tokens)
-  if max(map(len, prompts)) + max_new_tokens > cfg.max_position_embeddings:
-    raise ValueError(f"prompt ({max(map(len, prompts))} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                     f"model's maximum context {cfg.max_position_embeddings}")
+  t_bucket, max_len = ar_sizes(cfg, max(map(len, prompts)), max_new_tokens)
   tokens, lens = pad_prompts(prompts, cfg.pad_token_id or 0, t_bucket)
   graphdef, params = nnx.split(model)
   t0 = time.perf_counter()

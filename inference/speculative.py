@@ -124,22 +124,27 @@ spec_decode_program = jax.jit(_spec_decode, static_argnames=("graphdef", "drafte
                               donate_argnames=("state",))
 
 
-def speculative_generate(model, drafter: LoadedDrafter, prompts, max_new_tokens: int, sp: SamplingParams, seed: int,
-                         eos: int, num_draft_tokens: int) -> GenerationResult:
-  cfg = model.cfg
-  spec, dparams = drafter.spec, drafter.params
-  k = int(num_draft_tokens)
+def spec_sizes(cfg, spec, longest: int, max_new_tokens: int, k: int) -> tuple[int, int]:
+  """(prompt bucket, cache length) for speculative decoding with K = k drafts; raises on a bad K, a drafter of
+  another vocabulary, or a prompt that cannot get max_new_tokens."""
   if k < 1:
     raise ValueError(f"num_draft_tokens must be >= 1 for speculative decoding, got {k}")
   if spec.vocab_size != cfg.vocab_size:
     raise ValueError(f"drafter vocabulary ({spec.vocab_size}) does not match the target's ({cfg.vocab_size}): "
                      "drafter and target must share one tokenizer")
-  longest = max(map(len, prompts))
-  # The verify pass writes K+1 rows past the last committed token: the cache needs that headroom.
-  t_bucket, max_len = cache_len_for(longest, max_new_tokens, extra=k + 1)
   if longest + max_new_tokens + k + 1 > cfg.max_position_embeddings:
     raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}) exceeds the model's "
                      f"maximum context {cfg.max_position_embeddings}; lower num_draft_tokens or max_new_tokens")
+  # The verify pass writes K+1 rows past the last committed token: the cache needs that headroom.
+  return cache_len_for(longest, max_new_tokens, extra=k + 1)
+
+
+def speculative_generate(model, drafter: LoadedDrafter, prompts, max_new_tokens: int, sp: SamplingParams, seed: int,
+                         eos: int, num_draft_tokens: int) -> GenerationResult:
+  cfg = model.cfg
+  spec, dparams = drafter.spec, drafter.params
+  k = int(num_draft_tokens)
+  t_bucket, max_len = spec_sizes(cfg, spec, max(map(len, prompts)), max_new_tokens, k)
   tokens, lens = pad_prompts(prompts, cfg.pad_token_id or 0, t_bucket)
   graphdef, params = nnx.split(model)
   sample = bool(float(sp.temperature) > 0)
@@ -153,12 +158,17 @@ def speculative_generate(model, drafter: LoadedDrafter, prompts, max_new_tokens:
   buf, num_new = np.asarray(state.tokens), np.asarray(state.num_new)
   wall = time.perf_counter() - t0
   out = [buf[i, lens[i]:lens[i] + num_new[i]].tolist() for i in range(len(prompts))]
-  hist = np.asarray(state.accept_hist)
-  active_steps = np.asarray(state.active_steps)
+  stats = spec_stats(state.accept_hist, state.active_steps, num_new, state.step)
+  return GenerationResult(tokens=out, prompt_lengths=lens.tolist(), target_forwards=int(state.step), wall_s=wall,
+                          prefill_s=prefill_s, decode_s=decode_s, stats=stats)
+
+
+def spec_stats(accept_hist, active_steps, num_new, steps) -> dict:
+  """tau (tokens committed per verification pass of an active sequence), per-position acceptance and counts."""
+  hist, active_steps, num_new = np.asarray(accept_hist), np.asarray(active_steps), np.asarray(num_new)
+  k = len(hist) - 1
   # P(at least i+1 drafts accepted | verification pass), i = 0..K-1.
   at_least = [float(hist[i + 1:].sum() / max(hist.sum(), 1)) for i in range(k)]
   committed_after_prefill = int((num_new - 1).sum())
-  stats = {"target_forwards": int(state.step), "tau": committed_after_prefill / max(int(active_steps.sum()), 1),
-           "accept_per_position": at_least, "accept_hist": hist.tolist(), "num_draft_tokens": k}
-  return GenerationResult(tokens=out, prompt_lengths=lens.tolist(), target_forwards=int(state.step), wall_s=wall,
-                          prefill_s=prefill_s, decode_s=decode_s, stats=stats)
+  return {"target_forwards": int(steps), "tau": committed_after_prefill / max(int(active_steps.sum()), 1),
+          "accept_per_position": at_least, "accept_hist": hist.tolist(), "num_draft_tokens": k}

@@ -37,7 +37,7 @@ def _flat_params(model: nnx.Module) -> dict[tuple, jax.Array]:
         walk(prefix + (k,), v)
     else:
       flat[prefix] = node
-  walk((), nnx.state(model, nnx.Param).to_pure_dict())
+  walk((), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   return flat
 
 
@@ -93,7 +93,7 @@ def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: st
                      prefix: str = "model.") -> nnx.Module:
   """Fills every nnx.Param of `model` from HF-named tensors; errors name missing / mis-shaped tensors."""
   state = nnx.state(model, nnx.Param)
-  pure = state.to_pure_dict()
+  pure = nnx.to_pure_dict(state)
   flat = _flat_params(model)
   missing, bad_shape, used = [], [], set()
   new_flat = {}
@@ -117,7 +117,7 @@ def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: st
     if isinstance(node, dict):
       return {k: rebuild(prefix + (k,), v) for k, v in node.items()}
     return new_flat[prefix]
-  state.replace_by_pure_dict(rebuild((), pure))
+  nnx.replace_by_pure_dict(state, rebuild((), pure))
   nnx.update(model, state)
   return model
 

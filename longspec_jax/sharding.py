@@ -42,3 +42,28 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def global_batch(batch, mesh: Mesh):
+  """A host batch (every leaf [B, ...], the same global batch on every process) -> jax.Arrays sharded on "data".
+  With several processes each one hands over only the rows its own devices hold, via
+  `jax.make_array_from_process_local_data`; a single process device_puts the whole batch."""
+  sharding = batch_sharding(mesh)
+
+  def one(x):
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+      return jax.device_put(x, sharding)
+    lo, hi = process_rows(sharding, x.shape)
+    return jax.make_array_from_process_local_data(sharding, x[lo:hi], x.shape)
+  return jax.tree.map(one, batch)
+
+
+def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[int, int]:
+  """[lo, hi): the rows of a batch-sharded global array of `shape` that this process's devices hold."""
+  rows = {idx[0].indices(shape[0])[:2] for idx in sharding.addressable_devices_indices_map(shape).values()}
+  lo, hi = min(r[0] for r in rows), max(r[1] for r in rows)
+  if sum(b - a for a, b in rows) != hi - lo:
+    raise ValueError(f"this process's batch rows {sorted(rows)} are not contiguous: order the mesh's devices by "
+                     "process (make_mesh does)")
+  return lo, hi

@@ -31,11 +31,7 @@ import numpy as np
 from longspec_jax.hf_io import weights_sha256
 from pallas_kernels.query_scaled_attention.reference import sharpdraft_rho
 
-RULES = ("exact", "fixed")
-CHOICES = ("off",) + RULES  # the `--sharpdraft` / `build_drafter(sharpdraft=)` values
-GRANULARITIES = ("drafter", "layer", "head")
-ALPHA_RULES = ("tangent", "fit")
-SHARPDRAFT_FILE = "sharpdraft.json"
+from longspec_jax.sharpdraft_names import ALPHA_RULES, CHOICES, GRANULARITIES, RULES, SHARPDRAFT_FILE  # noqa: F401
 FORMAT_VERSION = 1
 OUTLIER_FALSE_RATE = 0.05  # expected background keys per query wrongly counted as relevant
 

@@ -71,8 +71,8 @@ def resolve_target_dir(name_or_dir: str | os.PathLike | None = None, *, dtype: s
     return out
   path = Path(name_or_dir)
   if not path.is_dir():
-    raise FileNotFoundError(f"no model directory {path} and no named target {str(name_or_dir)!r} "
-                            f"(named targets: {', '.join(NAMED_TARGETS)})")
+    raise FileNotFoundError(f"model directory {path} does not exist, and {str(name_or_dir)!r} is not a named "
+                            f"target ({', '.join(NAMED_TARGETS)})")
   return path
 
 

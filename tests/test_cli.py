@@ -34,14 +34,19 @@ def test_generate_json_contract(model_dir, tmp_path, capsys):
   for key in ("prompt_tokens", "output_tokens", "text", "prefill_ms", "decode_tokens_per_s"):
     assert key in res
   assert len(res["output_tokens"]) == 12 and res["prefill_ms"] > 0 and res["decode_tokens_per_s"] > 0
-  assert res["text"] in capsys.readouterr().out
+  captured = capsys.readouterr()
+  assert res["text"] in captured.out
+  assert "loading the target" in captured.err and "the first call compiles" in captured.err  # progress
+  assert main(["generate", "--model", str(model_dir), "--prompt", "def f", "--max-new-tokens", "3",
+               "--max-prompt-tokens", "2", "--quiet", "--json", str(out)]) == 0
+  assert capsys.readouterr().err == "" and len(json.loads(out.read_text())["prompt_tokens"]) == 2
 
 
 def test_generate_errors(model_dir, capsys):
-  with pytest.raises(SystemExit, match="empty"):
-    main(["generate", "--model", str(model_dir), "--prompt", ""])
-  with pytest.raises(SystemExit, match="exactly one"):
-    main(["generate", "--model", str(model_dir)])
+  assert main(["generate", "--model", str(model_dir), "--prompt", ""]) == 2
+  assert "longspec generate: error: the prompt is empty" in capsys.readouterr().err
+  assert main(["generate", "--model", str(model_dir)]) == 2
+  assert "exactly one" in capsys.readouterr().err
   assert main(["generate", "--model", str(model_dir / "missing"), "--prompt", "x"]) == 2
   assert "does not exist" in capsys.readouterr().err
 
@@ -57,20 +62,26 @@ def test_export_and_eval(model_dir, tmp_path):
   assert res["0-1K"] > 0 and res["1-2K"] > 0 and res["2-4K"] is None  # text cut at 2048 tokens
 
 
-def test_bench_json_contract(model_dir, tmp_path):
+def test_bench_json_contract(model_dir, tmp_path, capsys):
   out = tmp_path / "b.json"
   assert main(["bench", "--method", "prompt-lookup", "--text-file", str(model_dir.parent / "text.txt"),
                "--context", "200", "--new-tokens", "16", "--model", str(model_dir), "--repeats", "1",
                "--num-draft", "4", "--json", str(out)]) == 0
+  err = capsys.readouterr().err  # progress: phase, prompt and method
+  for phase in ("loading the target", "prompt: first 200 tokens", "ar: compiling", "prompt-lookup: compiling",
+                "timing one draft and one verify step"):
+    assert phase in err, (phase, err)
   res = json.loads(out.read_text())
   for key in ("method", "context", "new_tokens", "batch", "temperature", "tau", "accept_per_position",
               "target_forwards", "tokens_per_s", "ar_tokens_per_s", "speedup", "draft_ms_per_step",
               "verify_ms_per_step", "drafter_state_bytes", "peak_rss_bytes", "exact_match_ar"):
     assert key in res, key
   assert res["exact_match_ar"] is True and res["tau"] >= 1 and len(res["accept_per_position"]) == 4
-  with pytest.raises(SystemExit, match="unknown method"):
+  assert res["verify_over_decode"] == pytest.approx(res["verify_ms_per_step"] * res["ar_tokens_per_s"] / 1000)
+  with pytest.raises(SystemExit) as e:
     main(["bench", "--method", "nope", "--text-file", str(model_dir.parent / "text.txt"), "--context", "10",
           "--model", str(model_dir)])
+  assert e.value.code == 2
 
 
 def test_bench_with_transformers_peers(model_dir, tmp_path):
@@ -85,3 +96,15 @@ def test_bench_with_transformers_peers(model_dir, tmp_path):
   peers = res["peer_tokens_per_s"]
   assert set(peers) == {"transformers-ar", "transformers-assisted", "transformers-prompt-lookup"}
   assert all(v > 0 for v in peers.values())
+
+
+def test_bench_peer_skips_a_drafter_of_another_vocabulary(model_dir, tmp_path):
+  """The shipped PARD drafter (vocab 8192) cannot assist a 320-token target: the peer run says so instead of
+  failing after the other peers ran."""
+  pytest.importorskip("torch")
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR
+  out = tmp_path / "p.json"
+  assert main(["bench", "--method", "ar", "--text-file", str(model_dir.parent / "text.txt"), "--context", "100",
+               "--new-tokens", "6", "--model", str(model_dir), "--drafter", str(SHIPPED_DRAFTERS_DIR / "pard"),
+               "--repeats", "1", "--peer", "transformers", "--json", str(out)]) == 0
+  assert set(json.loads(out.read_text())["peer_tokens_per_s"]) == {"transformers-ar", "transformers-prompt-lookup"}

@@ -287,7 +287,7 @@ def test_load_public_layout(target, tmp_path):
       return {k: fill(path + (k,), v) for k, v in node.items()}
     t = tensors[".".join(path[:-1]) + ".weight"]
     return jnp.asarray(t.T if path[-1] == "kernel" else t)
-  state.replace_by_pure_dict(fill((), state.to_pure_dict()))
+  nnx.replace_by_pure_dict(state, fill((), nnx.to_pure_dict(state)))
   nnx.update(net, state)
   direct = eagle3_from_net(net, target, (1, 1, 0), d2t=tensors["d2t"])
   ar_prompts = _prompts(1, [5])  # the AR program of test_greedy_spec_equals_ar is reused

@@ -11,16 +11,19 @@ import datetime
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from longspec_jax.argtypes import nonneg_int, positive_int
+from longspec_jax.sharpdraft_names import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE
 
-from longspec_jax.hf_io import weights_sha256
-from longspec_jax.sharpdraft import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE, calibrate
+if TYPE_CHECKING:
+  import numpy as np
 
 DRAFTERS = ("pard", "standalone", "dflash", "eagle3")
 
 
 def _windows_from_streams(streams: list[list[int]], n0: int, num: int, bos: int | None, seed: int) -> np.ndarray:
+  import numpy as np  # here, not at the top: the CLI parser imports this module and must stay fast
   body = n0 - (bos is not None)
   streams = [s for s in streams if len(s) >= body]
   if not streams:
@@ -36,6 +39,7 @@ def _windows_from_streams(streams: list[list[int]], n0: int, num: int, bos: int 
 
 def calibration_windows(tok, n0: int, num: int, bos: int | None, corpus_dir, drafter_meta: dict,
                         seed: int = 0) -> tuple[np.ndarray, str]:
+  import numpy as np
   """[num, n0] token windows and a description of their source."""
   corpus_dir = Path(corpus_dir)
   if (corpus_dir / "dataset_dict.json").exists():
@@ -73,6 +77,7 @@ def _queries(logits: np.ndarray) -> np.ndarray:
 def drafter_scores(loaded, target, windows: np.ndarray, batch: int) -> list[np.ndarray]:
   """Per drafter attention layer: logits [Q, Hq, N] of every query that sees all N keys of its window."""
   import jax
+  import numpy as np
   from flax import nnx
   from tqdm import tqdm
 
@@ -94,7 +99,8 @@ def run_calibration(drafter: str, drafter_dir=None, model_dir=None, corpus_dir="
                     num_windows: int = 256, batch: int = 8, seed: int = 0, n0: int | None = None, out=None) -> Path:
   from longspec_jax import default_target_dir
   from longspec_jax.drafters import build_drafter, drafter_path
-  from longspec_jax.hf_io import load_model_dir
+  from longspec_jax.hf_io import load_model_dir, weights_sha256
+  from longspec_jax.sharpdraft import calibrate
   from longspec_jax.tokenizer import load_tokenizer
 
   if drafter not in DRAFTERS:
@@ -166,10 +172,10 @@ def add_subcommand(subparsers) -> None:
                  help="share one set of statistics per drafter, per layer, or keep one per head")
   c.add_argument("--rule", choices=ALPHA_RULES, default="tangent",
                  help="fixed-slope alpha: tangent of the exact rule at n0, or least-squares fit up to --fit-max-keys")
-  c.add_argument("--fit-max-keys", type=int, default=16384)
-  c.add_argument("--num-windows", type=int, default=256)
-  c.add_argument("--batch", type=int, default=8)
-  c.add_argument("--seed", type=int, default=0)
-  c.add_argument("--n0", type=int, help="override drafter.json's n0")
+  c.add_argument("--fit-max-keys", type=positive_int, default=16384)
+  c.add_argument("--num-windows", type=positive_int, default=256)
+  c.add_argument("--batch", type=positive_int, default=8)
+  c.add_argument("--seed", type=nonneg_int, default=0)
+  c.add_argument("--n0", type=positive_int, help="override drafter.json's n0")
   c.add_argument("--out", help=f"output file (default: DRAFTER_DIR/{SHARPDRAFT_FILE})")
   c.set_defaults(fn=cmd_calibrate_sharpdraft)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from longspec_jax.argtypes import fraction, nonneg_float, nonneg_int, positive_int
+
 # --drafter NAME -> (module, config class, train function); configs/drafter_NAME.yaml is the default config.
 DRAFTERS = {
     "pard": ("training.train_drafter", "DrafterTrainConfig", "train_standalone_drafter"),
@@ -16,10 +18,12 @@ DRAFTERS = {
 
 def cmd_make_drafter_data(a) -> int:
   from longspec_jax import default_target_dir
+  from longspec_jax.targets import resolve_target_dir
   from training.drafter_data import MANIFEST, DrafterDataConfig, make_drafter_data
 
   cfg = DrafterDataConfig(
-      target_dir=str(a.target or default_target_dir()), corpus_dir=a.corpus, out_dir=a.out,
+      target_dir=str(resolve_target_dir(a.target) if a.target else default_target_dir()), corpus_dir=a.corpus,
+      out_dir=a.out,
       num_prompts=a.num_prompts, new_tokens=a.new_tokens, batch=a.batch, temperature=a.temperature,
       greedy_fraction=a.greedy_fraction, min_prompt_tokens=a.min_prompt_tokens,
       max_prompt_tokens=a.max_prompt_tokens, seed=a.seed)
@@ -45,17 +49,17 @@ def cmd_train_drafter(a) -> int:
 def add_subcommands(subparsers) -> None:
   m = subparsers.add_parser("make-drafter-data",
                             help="generate drafter training data: corpus prompts continued by the target")
-  m.add_argument("--target", help="target model dir (default: the shipped target)")
+  m.add_argument("--target", help="target: a name (smollm2-135m), a model dir, or the shipped target (default)")
   m.add_argument("--corpus", default="data/corpus")
   m.add_argument("--out", default="runs/drafter_data")
-  m.add_argument("--num-prompts", type=int, default=400)
-  m.add_argument("--new-tokens", type=int, default=256)
-  m.add_argument("--batch", type=int, default=16)
-  m.add_argument("--temperature", type=float, default=0.8, help="for the sampled batches")
-  m.add_argument("--greedy-fraction", type=float, default=0.5, help="share of batches decoded greedily")
-  m.add_argument("--min-prompt-tokens", type=int, default=128)
-  m.add_argument("--max-prompt-tokens", type=int, default=256)
-  m.add_argument("--seed", type=int, default=0)
+  m.add_argument("--num-prompts", type=positive_int, default=400)
+  m.add_argument("--new-tokens", type=positive_int, default=256)
+  m.add_argument("--batch", type=positive_int, default=16)
+  m.add_argument("--temperature", type=nonneg_float, default=0.8, help="for the sampled batches")
+  m.add_argument("--greedy-fraction", type=fraction, default=0.5, help="share of batches decoded greedily")
+  m.add_argument("--min-prompt-tokens", type=positive_int, default=128)
+  m.add_argument("--max-prompt-tokens", type=positive_int, default=256)
+  m.add_argument("--seed", type=nonneg_int, default=0)
   m.set_defaults(fn=cmd_make_drafter_data)
 
   t = subparsers.add_parser("train-drafter", help="train a drafter for the target on make-drafter-data output")

@@ -23,6 +23,7 @@ from flax import nnx
 
 from longspec_jax import sharding as shd
 from longspec_jax.config import ModelConfig
+from longspec_jax.distributed import host_values, is_main_process
 from longspec_jax.kv_cache import KVCache
 from longspec_jax.model import create_model, default_target_config, param_count
 from training.drafter_data import load_drafter_data, target_name, weights_sha256
@@ -206,10 +207,8 @@ def train_standalone_drafter(cfg: DrafterTrainConfig, resume: bool = True) -> Pa
   def loss_fn(p, batch):
     return pard_loss(nnx.merge(graphdef, p), batch, cfg.num_masks, target.mask_token_id, cfg.mask_weight)
 
-  data_sharding = shd.batch_sharding(mesh)
-
-  def batch_fn(step):
-    return jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding)
+  def batch_fn(step):  # with several processes, each hands over only its own rows of the global batch
+    return shd.global_batch(sampler.batch(step, cfg.batch_size), mesh)
 
   t0 = time.time()
   state, finished = train_until(state, ckpt, mesh, loss_fn, optimizer, batch_fn, steps=cfg.steps,
@@ -218,7 +217,9 @@ def train_standalone_drafter(cfg: DrafterTrainConfig, resume: bool = True) -> Pa
                                 desc="train-drafter")
   if not finished:
     return out / "checkpoints"
-  trained = nnx.merge(graphdef, state.params)
+  trained = nnx.merge(graphdef, jax.tree.map(jnp.asarray, host_values(state.params)))
+  if not is_main_process():  # process 0 exports
+    return out / "final"
   return export_drafter(trained, cfg, target_dir, manifest, val_rows, pad_id, train_s=time.time() - t0)
 
 

@@ -8,6 +8,7 @@ optimizer state, step) is restored bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -17,12 +18,14 @@ from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
 from longspec_jax import sharding as shd
+from longspec_jax.distributed import agree, is_main_process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +91,8 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def maybe_save(self, step: int, state, force: bool = False) -> bool:
-    if not force and time.monotonic() - self.last_save < self.every_s:
+    # Every process saves (orbax writes each one's shards, process 0 the metadata), so all follow process 0's clock.
+    if not agree(force or time.monotonic() - self.last_save >= self.every_s):
       return False
     if self.manager.latest_step() == step:  # already saved (e.g. a periodic save on the last step)
       return False
@@ -107,7 +111,8 @@ class Checkpointer:
 
 def init_train_state(params: nnx.State, optimizer, mesh, rules=shd.DATA_PARALLEL_RULES) -> TrainState:
   p_shard = shd.param_shardings(params, mesh, rules)
-  params = jax.device_put(params, p_shard)
+  # From host values: every process holds the same initial parameters, and a mesh may span processes.
+  params = jax.device_put(jax.tree.map(np.asarray, params), p_shard)
   opt_state = jax.jit(optimizer.init)(params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
@@ -132,7 +137,7 @@ def make_train_step(loss_fn: Callable, optimizer):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step
@@ -148,13 +153,14 @@ def train_loop(state: TrainState, train_step, batch_fn: Callable[[int], dict], t
   start = int(state.step)
   t0 = time.time()
   tokens_seen = sum(tokens_fn(s) for s in range(start))
-  bar = tqdm(total=total_steps, initial=start, desc=desc, dynamic_ncols=True)
-  with open(log_path, "a") as log:
+  main = is_main_process()  # process 0 writes the log and shows the bar; every process trains
+  bar = tqdm(total=total_steps, initial=start, desc=desc, dynamic_ncols=True, disable=not main)
+  with open(log_path, "a") if main else contextlib.nullcontext() as log:
     for step in range(start, total_steps):
       batch = batch_fn(step)
       state, metrics = train_step(state, batch)
       tokens_seen += tokens_fn(step)
-      if (step + 1) % log_every == 0 or step + 1 == total_steps:
+      if main and ((step + 1) % log_every == 0 or step + 1 == total_steps):
         m = {k: float(v) for k, v in metrics.items()}
         rec = {"step": step + 1, "tokens": tokens_seen, "elapsed_s": round(time.time() - t0, 1), **m}
         log.write(json.dumps(rec) + "\n")

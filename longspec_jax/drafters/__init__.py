@@ -5,10 +5,12 @@ Later methods register themselves here; `longspec bench --method NAME` and `gene
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from longspec_jax import ASSETS_DIR
-from longspec_jax.drafters.base import LoadedDrafter
+
+if TYPE_CHECKING:  # importing the registry must not import jax: the CLI parser lists method_names()
+  from longspec_jax.drafters.base import LoadedDrafter
 
 SHIPPED_DRAFTERS_DIR = ASSETS_DIR / "drafters"
 
@@ -22,6 +24,7 @@ def _shipped(name: str, drafter_dir) -> Path:
 
 
 def _prompt_lookup(target, drafter_dir, sharpdraft):
+  from longspec_jax.drafters.base import LoadedDrafter
   from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
   return LoadedDrafter(PromptLookupDrafter(target.cfg.vocab_size))
 
