@@ -637,7 +637,8 @@ def summarize(cfg: SuiteConfig, methods: list[MethodSpec], prompts: list[dict], 
   docs = sorted({p["doc"] for p in prompts})
   return {"config": dataclasses.asdict(cfg), "target": target, "prompts": prompts, "documents": docs,
           "protocol_met": cfg.num_prompts >= PROTOCOL[0] and len(docs) >= PROTOCOL[1], "runs": runs,
-          "cells": list(cells.values()), "tau_differences": pairs, "tau_vs_shortest_context": trends}
+          "cells": list(cells.values()), "tau_differences": pairs, "tau_vs_shortest_context": trends,
+          "records": [r for k in keys for r in sorted(by_cell[k], key=lambda r: r["prompt"])]}
 
 
 def _fmt(v, digits=3) -> str:
