@@ -373,7 +373,7 @@ def _decode(timer: _Timer, key, state0, run, repeats: int):
   return timer.timed(key, lambda: run(next(copies)), repeats)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Prefilled:
   """One prompt's shared prefill and what every method's start state is built from."""
   tokens: jax.Array  # [1, T bucket]
