@@ -252,6 +252,17 @@ def cmd_import_gguf(a) -> int:
   return 0
 
 
+def cmd_bench_suite(a) -> int:
+  from inference.bench_suite import load_config, run_suite
+  cfg = load_config(a.config, a.set)
+  out = Path(a.out) if a.out else Path("results/bench_suite") / Path(a.config).stem
+  command = " ".join(["longspec bench-suite", "--config", a.config, *(f"--set {s}" for s in a.set),
+                      *(["--out", a.out] if a.out else [])])
+  res = run_suite(cfg, out, command=command, progress=not a.quiet)
+  print((out / "results.md").read_text())
+  return 1 if res["runs"][-1]["failed"] else 0  # a method that could not be built
+
+
 def build_parser() -> argparse.ArgumentParser:
   # Building the parser imports no jax (the registry and SharpDraft names are jax-free): --help stays fast.
   from longspec_jax.drafters import method_names
@@ -359,6 +370,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter and cache dtype")
   mem.add_argument("--json", metavar="OUT", help="also write the estimate here")
   mem.set_defaults(fn=cmd_memory)
+
+  bs = sub.add_parser("bench-suite", help="methods x contexts x prompts vs AR: tau with CIs, speedup, plots",
+                      description="Methods x contexts x prompts (cut points in several held-out documents) for one\n"
+                                  "target, each against jitted AR on the same prompts in the same process: mean tau\n"
+                                  "with bootstrap CIs, speedup, step costs, state bytes; results.json, results.md\n"
+                                  "and plots in --out. Resumable. How to read them: docs/benchmarks.md.",
+                      formatter_class=_HelpFormatter)
+  bs.add_argument("--config", required=True, help="YAML (configs/bench/*.yaml; keys in inference/bench_suite.py)")
+  bs.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+  bs.add_argument("--out", help="output directory (default results/bench_suite/<config name>); reruns resume")
+  bs.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+  bs.set_defaults(fn=cmd_bench_suite)
 
   from training.calibrate_sharpdraft import add_subcommand
   add_subcommand(sub)  # calibrate-sharpdraft

@@ -65,24 +65,24 @@ def pad_prompts(prompts: list[list[int]], pad_id: int, length: int) -> tuple[np.
   return arr, np.asarray([len(p) for p in prompts], np.int32)
 
 
-def prefill(model, tokens, prompt_lens, max_len: int, sp: SamplingParams, key):
-  """Writes the prompts into a fresh cache; returns (cache, first sampled token [B], prefill output)."""
-  b = tokens.shape[0]
-  cache = model.init_cache(b, max_len)
-  out = model(tokens, cache=cache, mode="prefill", logits_at=(prompt_lens - 1)[:, None])
-  first = sample_token(key, out.logits[:, 0], sp)
-  return out.cache.replace(lengths=prompt_lens), first, out
-
-
-def _ar_prefill(graphdef, params, tokens, prompt_lens, max_new, sp, seed, eos_id, *, max_len: int) -> DecodeState:
-  model = nnx.merge(graphdef, params)
+def ar_start_state(tokens, prompt_lens, cache, last_logits, max_new, sp, seed, eos_id, *, max_len: int) -> DecodeState:
+  """The decode loop's start state from a prefill's cache (lengths = prompt_lens) and last-row logits [B, V]. Split
+  from the prefill so that the bench suite can start AR from a prefill it shares with speculative methods."""
   b, t = tokens.shape
   key_prefill, key_loop = jax.random.split(jax.random.key(seed))
-  cache, first, _ = prefill(model, tokens, prompt_lens, max_len, sp, key_prefill)
+  first = sample_token(key_prefill, last_logits, sp)
   buf = jnp.zeros((b, max_len), jnp.int32).at[:, :t].set(tokens)
   buf = buf.at[jnp.arange(b), prompt_lens].set(first)
   return DecodeState(tokens=buf, cache=cache, num_new=jnp.ones((b,), jnp.int32),
                      done=(first == eos_id) | (max_new <= 1), rng=key_loop, steps=jnp.int32(0))
+
+
+def _ar_prefill(graphdef, params, tokens, prompt_lens, max_new, sp, seed, eos_id, *, max_len: int) -> DecodeState:
+  model = nnx.merge(graphdef, params)
+  out = model(tokens, cache=model.init_cache(tokens.shape[0], max_len), mode="prefill",
+              logits_at=(prompt_lens - 1)[:, None])
+  return ar_start_state(tokens, prompt_lens, out.cache.replace(lengths=prompt_lens), out.logits[:, 0], max_new, sp,
+                        seed, eos_id, max_len=max_len)
 
 
 def _ar_decode(graphdef, params, state: DecodeState, max_new, sp, eos_id) -> DecodeState:

@@ -50,24 +50,32 @@ def _streams(seed):
   return base, jax.random.fold_in(base, DRAFT_STREAM), jax.random.fold_in(base, ACCEPT_STREAM)
 
 
-def _spec_prefill(graphdef, params, drafter, drafter_params, tokens, prompt_lens, max_new, sp, seed, eos_id, *,
-                  max_len: int, num_draft: int) -> SpecState:
-  model = nnx.merge(graphdef, params)
+def spec_start_state(drafter, drafter_params, tokens, prompt_lens, target_cache, last_logits, taps, new_kv, max_new,
+                     sp, seed, eos_id, *, max_len: int, num_draft: int) -> SpecState:
+  """The draft-verify loop's start state from a target prefill: cache (lengths = prompt_lens), last-row logits
+  [B, V], and the drafter's taps / K/V rows. Split from the prefill so that the bench suite can start every
+  method from one shared prefill."""
   b, t = tokens.shape
   base, _, _ = _streams(seed)
-  cache = model.init_cache(b, max_len)
-  out = model(tokens, cache=cache, mode="prefill", logits_at=(prompt_lens - 1)[:, None], taps=drafter.taps,
-              return_kv=drafter.needs_target_kv)
-  first = sample_token(jax.random.fold_in(base, FIRST_TOKEN_STREAM), out.logits[:, 0], sp)
+  first = sample_token(jax.random.fold_in(base, FIRST_TOKEN_STREAM), last_logits, sp)
   buf = jnp.zeros((b, max_len), jnp.int32).at[:, :t].set(tokens).at[jnp.arange(b), prompt_lens].set(first)
-  target_cache = out.cache.replace(lengths=prompt_lens)
-  pre = PrefillResult(prompt_tokens=tokens, tokens=buf, prompt_lens=prompt_lens, taps=out.taps, new_kv=out.new_kv,
+  pre = PrefillResult(prompt_tokens=tokens, tokens=buf, prompt_lens=prompt_lens, taps=taps, new_kv=new_kv,
                       target_cache=target_cache)
   return SpecState(
       tokens=buf, num_tokens=prompt_lens + 1, num_new=jnp.ones((b,), jnp.int32),
       done=(first == eos_id) | (max_new <= 1), target_cache=target_cache,
       drafter_state=drafter.init_state(drafter_params, pre, max_len), step=jnp.int32(0),
       active_steps=jnp.zeros((b,), jnp.int32), accept_hist=jnp.zeros((num_draft + 1,), jnp.int32))
+
+
+def _spec_prefill(graphdef, params, drafter, drafter_params, tokens, prompt_lens, max_new, sp, seed, eos_id, *,
+                  max_len: int, num_draft: int) -> SpecState:
+  model = nnx.merge(graphdef, params)
+  out = model(tokens, cache=model.init_cache(tokens.shape[0], max_len), mode="prefill",
+              logits_at=(prompt_lens - 1)[:, None], taps=drafter.taps, return_kv=drafter.needs_target_kv)
+  return spec_start_state(drafter, drafter_params, tokens, prompt_lens, out.cache.replace(lengths=prompt_lens),
+                          out.logits[:, 0], out.taps, out.new_kv, max_new, sp, seed, eos_id, max_len=max_len,
+                          num_draft=num_draft)
 
 
 def _spec_decode(graphdef, params, drafter, drafter_params, state: SpecState, max_new, sp, seed, eos_id, *,

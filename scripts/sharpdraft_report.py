@@ -1,16 +1,19 @@
-"""SharpDraft report: tau vs context per (method, SharpDraft variant) from `longspec bench` JSONs, the fraction of
-each method's long-context tau drop that each rule recovers, and (optionally) the attention-mass dilution plot.
+"""SharpDraft report from `longspec bench-suite` results: tau vs context per (method, SharpDraft variant), the
+fraction of each method's long-context tau drop that each rule recovers, and (optionally) the attention-mass
+dilution plot. The runs, the tau table with CIs and the tau-vs-context plot are the suite's; this adds the
+SharpDraft-specific figures.
 
-  python scripts/sharpdraft_report.py --results results/sharpdraft --out results/sharpdraft \
+  longspec bench-suite --config configs/bench/sharpdraft.yaml --out results/bench_suite/sharpdraft
+  python scripts/sharpdraft_report.py --results results/bench_suite/sharpdraft --out results/sharpdraft \
       [--dilution pard,dflash,eagle3]
 
-Bench JSONs are read recursively from --results (fields method, context, tau, sharpdraft, text_file; a file
-without `sharpdraft` counts as "off"). tau is averaged over the text files measured. Recovery of a rule at the
-longest context L (16K in the sweep) against the drafter's n0:
-    (tau_rule(L) - tau_off(L)) / (tau_off(n0) - tau_off(L)),
-over the text files measured in all three runs. The dilution plot measures, on the held-out long documents, the
-drafter's attention mass on its top-k keys (k per head from sharpdraft.json; heads with k = 0 left out) for the
-query that sees all n keys, from `attention_logits` on windows of n tokens, unscaled and with each rule.
+--results: a suite output directory (its results.json; methods written `NAME` or `NAME:sharpdraft=RULE`),
+greedy cells unless --temperature. Recovery of a rule at the longest context L against the drafter's n0, on the
+prompts measured in all three cells (the suite uses the same cut points at every context):
+    (tau_rule(L) - tau_off(L)) / (tau_off(n0) - tau_off(L)).
+The dilution plot measures, on the held-out long documents, the drafter's attention mass on its top-k keys (k per
+head from sharpdraft.json; heads with k = 0 left out) for the query that sees all n keys, from `attention_logits`
+on windows of n tokens, unscaled and with each rule.
 """
 
 from __future__ import annotations
@@ -31,22 +34,21 @@ STYLES = {"off": "-", "fixed": "--", "exact": ":"}
 MARKERS = {"off": "o", "fixed": "s", "exact": "^"}  # distinct, so overlapping lines stay visible
 
 
-def load_runs(results_dir: Path) -> dict:
-  """(method, variant, context) -> {text_file: tau}."""
+def load_runs(results_dir: Path, temperature: float = 0.0) -> dict:
+  """(method, variant, context) -> {prompt index: tau} from a bench-suite results.json."""
+  path = results_dir / "results.json"
+  if not path.exists():
+    raise SystemExit(f"error: no bench-suite results.json in {results_dir} (run `longspec bench-suite` first)")
   runs = defaultdict(dict)
-  for path in sorted(results_dir.rglob("*.json")):
-    try:
-      r = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+  for c in json.loads(path.read_text())["cells"]:
+    if c["temperature"] != temperature:
       continue
-    if not isinstance(r, dict) or not {"method", "context", "tau"} <= r.keys():
-      continue
-    variant = r.get("sharpdraft", "off")
+    variant = c["options"].get("sharpdraft", "off")
     if variant not in VARIANTS:
-      raise SystemExit(f"error: {path} has sharpdraft = {variant!r}, expected one of {VARIANTS}")
-    runs[(r["method"], variant, int(r["context"]))][r.get("text_file", str(path))] = r["tau"]
+      raise SystemExit(f"error: {path}: {c['method']} has sharpdraft = {variant!r}, expected one of {VARIANTS}")
+    runs[(c["name"], variant, int(c["context"]))] = dict(zip(c["prompts"], c["tau_per_prompt"]))
   if not runs:
-    raise SystemExit(f"error: no bench JSONs (with method, context, tau) under {results_dir}")
+    raise SystemExit(f"error: no cells at temperature {temperature} in {path}")
   return runs
 
 
@@ -59,11 +61,11 @@ def method_n0(method: str, overrides: dict) -> int | None:
 
 
 def _mean_over(runs, keys):
-  """Mean tau of each key over the text files all keys share: (means, files) or (None, [])."""
-  files = set.intersection(*(set(runs.get(k, {})) for k in keys))
-  if not files:
+  """Mean tau of each key over the prompts all keys share: (means, prompts) or (None, [])."""
+  prompts = set.intersection(*(set(runs.get(k, {})) for k in keys))
+  if not prompts:
     return None, []
-  return [float(np.mean([runs[k][f] for f in files])) for k in keys], sorted(files)
+  return [float(np.mean([runs[k][i] for i in prompts])) for k in keys], sorted(prompts)
 
 
 def recovery(runs, method: str, n0: int | None) -> dict:
@@ -79,13 +81,13 @@ def recovery(runs, method: str, n0: int | None) -> dict:
     hi = max((c for (m, v, c) in runs if m == method and v == rule and c in off and c > lo), default=None)
     if hi is None:
       continue
-    means, files = _mean_over(runs, [(method, "off", lo), (method, "off", hi), (method, rule, hi)])
+    means, prompts = _mean_over(runs, [(method, "off", lo), (method, "off", hi), (method, rule, hi)])
     if means is None:
       continue
     t_lo, t_hi, t_rule = means
     drop = t_lo - t_hi
     out[rule] = {"short": lo, "long": hi, "tau_off_short": t_lo, "tau_off_long": t_hi, "tau_rule_long": t_rule,
-                 "recovered": (t_rule - t_hi) / drop if drop > 0 else None, "files": len(files)}
+                 "recovered": (t_rule - t_hi) / drop if drop > 0 else None, "prompts": len(prompts)}
   return out
 
 
@@ -103,39 +105,14 @@ def tau_table(runs) -> list[str]:
 
 
 def recovery_table(rec: dict) -> list[str]:
-  lines = ["| method | rule | n0 ctx | long ctx | tau off n0 | tau off long | tau rule long | recovered | docs |",
+  lines = ["| method | rule | n0 ctx | long ctx | tau off n0 | tau off long | tau rule long | recovered | prompts |",
            "|---|---|---|---|---|---|---|---|---|"]
   for method, rules in sorted(rec.items()):
     for rule, r in rules.items():
       frac = "no drop" if r["recovered"] is None else f"{100 * r['recovered']:.0f}%"
       lines.append(f"| {method} | {rule} | {r['short']} | {r['long']} | {r['tau_off_short']:.3f} | "
-                   f"{r['tau_off_long']:.3f} | {r['tau_rule_long']:.3f} | {frac} | {r['files']} |")
+                   f"{r['tau_off_long']:.3f} | {r['tau_rule_long']:.3f} | {frac} | {r['prompts']} |")
   return lines
-
-
-def plot_tau(runs, path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  methods = sorted({m for (m, _, _) in runs})
-  colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
-  for method in methods:
-    for variant in VARIANTS:
-      ctx = sorted(c for (m, v, c) in runs if m == method and v == variant)
-      if ctx:
-        tau = [np.mean(list(runs[(method, variant, c)].values())) for c in ctx]
-        ax.plot(ctx, tau, STYLES[variant], marker=MARKERS[variant], color=colors[method], label=f"{method} {variant}")
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("context (tokens)")
-  ax.set_ylabel("tau (tokens per target forward)")
-  ax.set_title("SharpDraft: acceptance length vs context")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def measure_dilution(method: str, contexts: list[int], num_docs: int) -> dict:
@@ -202,7 +179,8 @@ def plot_dilution(dil: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--results", required=True, help="directory of bench JSONs (searched recursively)")
+  p.add_argument("--results", required=True, help="a bench-suite output directory (results.json)")
+  p.add_argument("--temperature", type=float, default=0.0, help="which of the suite's temperatures to report")
   p.add_argument("--out", required=True)
   p.add_argument("--n0", default="", help="METHOD=N,... (default: n0 in the shipped drafter.json)")
   p.add_argument("--dilution", default="", help="comma-separated drafter methods to measure dilution for")
@@ -211,17 +189,17 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   out = Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
-  runs = load_runs(Path(a.results))
+  runs = load_runs(Path(a.results), a.temperature)
   overrides = {m: int(n) for m, n in (kv.split("=") for kv in a.n0.split(",") if kv)}
   rec = {m: recovery(runs, m, method_n0(m, overrides)) for m in sorted({m for (m, _, _) in runs})}
   rec = {m: r for m, r in rec.items() if r}
   md = ["# SharpDraft: tau vs context", "", f"Command: `python scripts/sharpdraft_report.py {' '.join(sys.argv[1:])}`",
-        "", "tau per (method, SharpDraft variant) and context; (n) = text files averaged.", ""]
+        "", f"tau per (method, SharpDraft variant) and context at temperature {a.temperature:g}, from "
+        f"`{a.results}/results.json`; (n) = prompts averaged. CIs, speedups and the tau plot with CI bands: "
+        f"`{a.results}/results.md`.", ""]
   md += tau_table(runs)
   md += ["", "## Recovered fraction of the tau drop (n0 -> longest context)", ""]
   md += recovery_table(rec) if rec else ["(needs off runs at n0 and at a longer context, and rule runs there)"]
-  plot_tau(runs, out / "sharpdraft_tau.png")
-  md += ["", "![tau vs context](sharpdraft_tau.png)"]
   summary = {"recovery": rec}
   if a.dilution:
     contexts = [int(c) for c in a.dilution_contexts.split(",")]

@@ -270,17 +270,16 @@ def test_report_recovery_fraction(tmp_path):
   from scripts.sharpdraft_report import main
   taus = {("off", 512): 3.0, ("off", 16384): 2.0, ("fixed", 16384): 2.5, ("exact", 16384): 2.75,
           ("fixed", 512): 3.0}
-  for doc in ("a.txt", "b.txt"):
-    for (variant, ctx), tau in taus.items():
-      shift = 0.2 if doc == "b.txt" else 0.0  # the same drop on a second document
-      rec = {"method": "pard", "sharpdraft": variant, "context": ctx, "tau": tau + shift, "text_file": doc}
-      (tmp_path / f"{doc}_{variant}_{ctx}.json").write_text(json.dumps(rec))
+  cells = [{"method": "pard" if variant == "off" else f"pard:sharpdraft={variant}", "name": "pard",
+            "options": {} if variant == "off" else {"sharpdraft": variant}, "context": ctx, "temperature": 0.0,
+            "prompts": [0, 1], "tau_per_prompt": [tau, tau + 0.2]}  # the same drop on a second prompt
+           for (variant, ctx), tau in taus.items()]
+  (tmp_path / "results.json").write_text(json.dumps({"cells": cells}))  # as `longspec bench-suite` writes it
   out = tmp_path / "report"
   assert main(["--results", str(tmp_path), "--out", str(out), "--n0", "pard=512"]) == 0
   rec = json.loads((out / "sharpdraft_report.json").read_text())["recovery"]["pard"]
   assert rec["fixed"]["recovered"] == pytest.approx(0.5) and rec["exact"]["recovered"] == pytest.approx(0.75)
-  assert rec["fixed"]["files"] == 2 and rec["fixed"]["long"] == 16384
-  assert (out / "sharpdraft_tau.png").stat().st_size > 0
+  assert rec["fixed"]["prompts"] == 2 and rec["fixed"]["long"] == 16384
   assert "| pard | fixed | 3.100 (2) | 2.600 (2) |" in (out / "sharpdraft_report.md").read_text()
 
 

@@ -1,0 +1,160 @@
+"""`longspec bench-suite` on a tiny random target made here: outputs, the bootstrap CI against scipy, resume, the
+shared prefill (a tap-reading drafter gives what `generate` gives), and config errors."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from inference.bench_suite import (SuiteConfig, bootstrap_ci, load_config, parse_method, ratio_of_rates, run_suite,
+                                   select_cuts)
+from inference.cli import main
+from longspec_jax.config import ModelConfig, RopeConfig
+from longspec_jax.hf_io import save_model_dir
+from longspec_jax.model import create_model
+from longspec_jax.tokenizer import save_hf_tokenizer, train_bpe
+
+TEXT = "".join(f"def function_{i}(x, y):\n    return x * {i} + y - {i % 7}\n\n" for i in range(300))
+CONTEXTS = (48, 96)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  """A tiny target directory, four documents and a tiny DFlash checkpoint (reads target taps)."""
+  from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, save_dflash_dir
+  d = tmp_path_factory.mktemp("suite")
+  tok = train_bpe([TEXT], vocab_size=300)
+  cfg = ModelConfig(family="qwen3", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+                    rope=RopeConfig(), bos_token_id=0, eos_token_id=None, pad_token_id=1, mask_token_id=2)
+  target = create_model(cfg, seed=0)
+  save_model_dir(target, d / "target")
+  save_hf_tokenizer(tok, d / "target")
+  docs = []
+  for i in range(4):
+    docs.append(d / f"doc{i}.txt")
+    docs[-1].write_text(TEXT[i * 2000:i * 2000 + 6000])
+  dcfg = dflash_config_for(cfg, num_layers=1, num_target_taps=2, block_size=4)
+  save_dflash_dir(create_dflash(dcfg, seed=1), d / "dflash")
+  return d, [str(p) for p in docs]
+
+
+def _config(env, tmp_path, **kw) -> str:
+  d, docs = env
+  raw = dict(model=str(d / "target"), methods=["ar", "prompt-lookup"], contexts=list(CONTEXTS), temperatures=[0.0],
+             num_prompts=8, min_docs=4, docs=docs, cut_min_tokens=128, new_tokens=8, num_draft=3, bootstrap=2000)
+  raw.update(kw)
+  path = tmp_path / "suite.yaml"
+  path.write_text(yaml.safe_dump(raw))
+  return str(path)
+
+
+def test_suite_outputs_and_resume(env, tmp_path, capsys):
+  out = tmp_path / "out"
+  assert main(["bench-suite", "--config", _config(env, tmp_path), "--out", str(out)]) == 0
+  res = json.loads((out / "results.json").read_text())
+  assert len(res["prompts"]) == 8 and len(res["documents"]) == 4 and res["protocol_met"]
+  assert {(c["method"], c["context"]) for c in res["cells"]} == {(m, c) for m in ("ar", "prompt-lookup")
+                                                                  for c in CONTEXTS}
+  for c in res["cells"]:
+    assert c["n_prompts"] == 8 and c["complete"] and c["exact_match_ar"] is True
+    assert c["tau_ci"][0] <= c["tau_mean"] <= c["tau_ci"][1]
+    assert c["speedup"] > 0 and c["speedup_ci"][0] <= c["speedup"] <= c["speedup_ci"][1]
+    assert c["peak_rss_bytes"] > 0 and c["tokens_per_s"] > 0 and c["ar_tokens_per_s"] > 0
+    if c["method"] == "ar":
+      assert c["tau_mean"] == 1.0 and c["drafter_state_bytes"] == 0
+    else:
+      assert len(c["accept_per_position"]) == 3 and c["verify_ms_per_step"] > 0
+      assert 1.0 <= c["tau_mean"] <= 4.0
+  run = res["runs"][0]
+  assert run["todo"] == 32 and run["git"]["commit"] and run["machine"]["versions"]["jax"]
+  assert "loadavg_1min_start" in run and "loadavg_1min_end" in run and run["failed"] == {}
+  md = (out / "results.md").read_text()
+  assert "| prompt-lookup | 0 | 96 | 8 |" in md and "exceeds CI" in md
+  for name in ("tau_vs_context", "speedup_vs_context", "draft_ms_vs_context", "state_bytes_vs_context"):
+    assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  cells = sorted((out / "cells").glob("*.jsonl"))
+  stamps = {p: p.stat().st_mtime_ns for p in cells}
+  # Rerun: every cell is on disk, nothing runs again.
+  assert main(["bench-suite", "--config", _config(env, tmp_path), "--out", str(out)]) == 0
+  res2 = json.loads((out / "results.json").read_text())
+  assert res2["runs"][-1]["todo"] == 0 and len(res2["runs"]) == 2
+  assert {p: p.stat().st_mtime_ns for p in cells} == stamps
+  assert [c["tau_per_prompt"] for c in res2["cells"]] == [c["tau_per_prompt"] for c in res["cells"]]
+  # More prompts: the first 8 cut points stay, only the new one runs; a changed setting in the same directory is
+  # refused.
+  res3 = run_suite(load_config(_config(env, tmp_path, num_prompts=9)), out, progress=False)
+  assert res3["runs"][-1]["todo"] == 4 and res3["prompts"][:8] == res["prompts"]
+  assert all(c["n_prompts"] == 9 for c in res3["cells"])
+  with pytest.raises(ValueError, match="different configuration"):
+    run_suite(load_config(_config(env, tmp_path, new_tokens=9)), out, progress=False)
+
+
+def test_shared_prefill_matches_generate(env, tmp_path):
+  """A drafter that reads target taps, started from the suite's shared prefill, decodes exactly as generate()."""
+  from inference.bench_suite import load_target, prompt_ids
+  from inference.generate import generate
+  from longspec_jax.drafters import build_drafter
+  d, docs = env
+  drafter = f"dflash:drafter={d / 'dflash'}"
+  cfg = load_config(_config(env, tmp_path, methods=[drafter], contexts=[64], num_prompts=4,
+                            temperatures=[0.0, 1.0]))
+  res = run_suite(cfg, tmp_path / "out", progress=False)
+  recs = [json.loads(ln) for p in sorted((tmp_path / "out" / "cells").glob("dflash*t0.jsonl"))
+          for ln in p.read_text().splitlines()]
+  model, tok, _ = load_target(str(d / "target"))
+  ids = [tok.encode(open(p).read()).ids for p in docs]
+  cut = res["prompts"][0]
+  prompt = prompt_ids(ids[[p.endswith(cut["doc"]) for p in docs].index(True)], cut["end_token"], 64, 0)
+  loaded = build_drafter("dflash", model, d / "dflash")
+  want = generate(model, [prompt], max_new_tokens=8, drafter=loaded, num_draft_tokens=3, seed=0)
+  rec = next(r for r in recs if r["prompt"] == 0)
+  assert rec["tokens"] == want.tokens[0] and rec["tau"] == pytest.approx(want.stats["tau"])
+  assert rec["exact_match_ar"] and rec["drafter_state_bytes"] > 0
+  sampled = [c for c in res["cells"] if c["temperature"] == 1.0]
+  assert len(sampled) == 1 and all(c["exact_match_ar"] is None for c in sampled)
+
+
+def test_bootstrap_ci_against_scipy():
+  from scipy.stats import bootstrap
+  x = np.random.default_rng(3).gamma(2.0, 1.5, size=12)
+  lo, hi = bootstrap_ci(x, n_boot=20000, ci=0.95, seed=1)
+  ref = bootstrap((x,), np.mean, n_resamples=20000, confidence_level=0.95, method="percentile",
+                  random_state=np.random.default_rng(2)).confidence_interval
+  sd = x.std(ddof=1) / np.sqrt(len(x))
+  assert abs(lo - ref.low) < 0.05 * sd * 4 and abs(hi - ref.high) < 0.05 * sd * 4
+  assert lo < x.mean() < hi
+  assert bootstrap_ci(np.full(8, 2.5)) == (2.5, 2.5)
+  # The speedup CI: ratio of summed rates, resampled by prompt.
+  rates = np.stack([np.full(6, 10.0), np.linspace(1, 2, 6), np.full(6, 10.0), np.linspace(2, 4, 6)], axis=1)
+  assert ratio_of_rates(rates) == pytest.approx(2.0)
+  assert bootstrap_ci(rates, 500, stat=ratio_of_rates) == pytest.approx((2.0, 2.0))
+
+
+def test_cuts_are_seeded_prefix_stable_and_spread():
+  cuts = select_cuts([500, 800, 300, 900, 50], 8, 4, 200, seed=0)
+  assert cuts == select_cuts([500, 800, 300, 900, 50], 8, 4, 200, seed=0)
+  assert select_cuts([500, 800, 300, 900, 50], 10, 4, 200, seed=0)[:8] == cuts
+  assert len({d for d, _ in cuts}) == 4 and 4 not in {d for d, _ in cuts}  # doc 4 is too short
+  assert len(set(cuts)) == 8 and all(200 <= e <= [500, 800, 300, 900][d] for d, e in cuts)
+  with pytest.raises(ValueError, match="min_docs = 4"):
+    select_cuts([500, 800, 50, 60], 8, 4, 200, seed=0)
+
+
+def test_method_options_and_config_errors(env, tmp_path):
+  m = parse_method("pard:sharpdraft=fixed,num_draft=5", 8)
+  assert (m.name, m.num_draft, m.options, m.drafter_dir) == ("pard", 5, (("sharpdraft", "fixed"),), None)
+  assert parse_method("dflash:drafter=/x/y", 8).drafter_dir == "/x/y" and m.slug == "pard__sharpdraft-fixed_num_draft-5"
+  bad = {"methods=[nosuch]": "unknown method 'nosuch'", "methods=[pard:colour=red]": "unknown option 'colour'",
+         "methods=[pard:sharpdraft]": "not of the form key=value", "methods=[ar:drafter=x]": "ar takes no",
+         "methods=[pard:num_draft=0]": "num_draft must be an integer", "methods=[ar,ar]": "duplicates",
+         "contexts=[]": "contexts must be", "contexts=[256]": "exceeds cut_min_tokens", "num_prompts=1": "num_prompts",
+         "temperatures=[-1]": "temperatures", "docs=[/no/such.txt]": "not found", "ci=1.5": "ci must be",
+         "colour=red": "unknown config keys", "rope_scaling=yarn": "TYPE:FACTOR"}
+  for override, msg in bad.items():
+    with pytest.raises(ValueError, match=msg):
+      load_config(_config(env, tmp_path), [override])
+  with pytest.raises(ValueError, match="maximum context"):
+    run_suite(load_config(_config(env, tmp_path), ["new_tokens=2000"]), tmp_path / "o", progress=False)
+  assert SuiteConfig().model == ""  # the shipped default target
