@@ -27,7 +27,7 @@ from inference.generate import cache_len_for, pad_prompts
 from inference.speculative import spec_decode_program, spec_prefill_program
 from longspec_jax import default_target_dir, long_doc_paths
 from longspec_jax.drafters import build_drafter
-from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.base import LoadedDrafter, ProposeContext
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.tokenizer import load_tokenizer
@@ -64,6 +64,8 @@ def main():
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dels-dir", help="DeLS drafter dir (default: the shipped one)")
   p.add_argument("--profile-repeats", type=int, default=5)
+  p.add_argument("--timing-only", type=int, default=0, metavar="ROUNDS",
+                 help="only draft ms per step: ROUNDS interleaved dflash/dels calls on the first prompt per context")
   p.add_argument("--out", required=True)
   p.add_argument("--plot")
   a = p.parse_args()
@@ -77,6 +79,8 @@ def main():
   methods = {"dflash": LoadedDrafter(dels.spec.base, dels.params["base"]), "dels": dels}
   graphdef, params = nnx.split(model)
   k = a.num_draft
+  if a.timing_only:
+    return timing_only(model, methods, docs, files, a)
   records, timing = [], {}
   t_all = time.time()
   for context in a.contexts:
@@ -127,6 +131,42 @@ def main():
     if a.plot:
       plot(summary, done, a.temperatures, k, a.plot)
   print(json.dumps(summary, indent=1))
+
+
+def timing_only(model, methods, docs, files, a):
+  """Draft ms per step with the two drafters timed alternately (call i of dflash, then call i of dels, ...), so
+  load from other processes on a shared machine hits both alike; medians and the median of per-round ratios."""
+  cfg, k = model.cfg, a.num_draft
+  graphdef, params = nnx.split(model)
+  dels = methods["dels"]
+  out = {}
+  for context in a.contexts:
+    ids = prompts_for(docs, context, 1, cfg.bos_token_id)[0][2]
+    t_bucket, max_len = cache_len_for(context, a.new_tokens, extra=k + 1)
+    tokens, lens = pad_prompts([ids], cfg.pad_token_id or 0, t_bucket)
+    state = spec_prefill_program(graphdef, params, dels.spec, dels.params, jnp.asarray(tokens), jnp.asarray(lens),
+                                 jnp.int32(a.new_tokens), SamplingParams.make(0.0), jnp.uint32(a.seed),
+                                 jnp.int32(-1), max_len=max_len, num_draft=k)
+    out[context] = {}
+    for temp in a.temperatures:
+      ctx = ProposeContext(tokens=state.tokens, num_tokens=state.num_tokens, sampling=SamplingParams.make(temp))
+      fns = {n: jax.jit(lambda p, s, c, spec=d.spec, sample=temp > 0: spec.propose(p, s, c, jax.random.key(0), k,
+                                                                                   sample)[0])
+             for n, d in methods.items()}
+      times = {n: [] for n in methods}
+      for r in range(a.timing_only + 1):
+        for n, d in methods.items():
+          t0 = time.perf_counter()
+          jax.block_until_ready(fns[n](d.params, state.drafter_state, ctx))
+          if r:  # round 0 compiles
+            times[n].append(1000 * (time.perf_counter() - t0))
+      ratio = np.asarray(times["dels"]) / np.asarray(times["dflash"])
+      out[context][str(temp)] = {**{f"{n}_draft_ms": float(np.median(t)) for n, t in times.items()},
+                                 "dels_over_dflash_median_ratio": float(np.median(ratio)), "rounds": a.timing_only}
+      print(context, temp, out[context][str(temp)], flush=True)
+  Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(a.out).write_text(json.dumps({"settings": vars(a), "documents": [f.name for f in files],
+                                     "draft_ms": {str(c): v for c, v in out.items()}}, indent=1))
 
 
 def summarize(records, timing, contexts, temperatures, k):
