@@ -132,23 +132,22 @@ def decode_block(cfg: DeLSConfig, head, base_logits, pending, sp=None, key=None)
   Returns (drafts [B, K], z [B, K, V]) greedily (sp None), or (drafts, log q [B, K, V]) when sampling with sp."""
   b, k, _ = base_logits.shape
   alpha, beta, feed = cfg.mix_weights(k)
-  keys = jax.random.split(key, k) if sp is not None else jnp.zeros((k,), jnp.uint32)
+  # Everything that does not depend on the drafts is done for the whole block before the scan: the prior term,
+  # and (sampling) the Gumbel noise, so each step draws argmax(log q + g) = a sample of q.
+  base = jnp.swapaxes(base_logits, 0, 1).astype(jnp.float32) - beta[:, None, None] * head["log_prior"]
+  noise = jax.random.gumbel(key, base.shape) if sp is not None else jnp.zeros((k,), jnp.float32)
 
   def step(carry, xs):
     h, prev = carry
-    base_i, a_i, b_i, f_i, key_i = xs
+    base_i, a_i, f_i, g_i = xs
     h = jnp.where(f_i, gru_cell(head, head["emb"][prev], h), h)
-    z = combine(base_i.astype(jnp.float32), local_logits(cfg, head, h), head["log_prior"], a_i, b_i)
-    if sp is None:
-      tok = jnp.argmax(z, -1).astype(jnp.int32)
-      return (h, tok), (tok, z)
-    logq = processed_log_probs(z, sp)
-    tok = jax.random.categorical(key_i, logq, axis=-1).astype(jnp.int32)
-    return (h, tok), (tok, logq)
+    z = base_i + a_i * local_logits(cfg, head, h)
+    out = z if sp is None else processed_log_probs(z, sp)
+    tok = jnp.argmax(out + g_i, -1).astype(jnp.int32)
+    return (h, tok), (tok, out)
 
   h0 = jnp.zeros((b, cfg.gru_hidden_dim), jnp.float32)
-  _, (toks, out) = jax.lax.scan(step, (h0, pending.astype(jnp.int32)),
-                                (jnp.swapaxes(base_logits, 0, 1), alpha, beta, feed, keys))
+  _, (toks, out) = jax.lax.scan(step, (h0, pending.astype(jnp.int32)), (base, alpha, feed, noise))
   return toks.T, jnp.swapaxes(out, 0, 1)
 
 
