@@ -251,3 +251,15 @@ def test_train_dels_tunes_exports_and_resumes(env, tmp_path):  # noqa: F811
   prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
   assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft_tokens=3).tokens == \
       generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
+
+
+def test_shipped_dels_loads_and_matches_its_base():
+  """The shipped head names the shipped DFlash and was tuned on exactly its weights (retraining DFlash makes the
+  head stale: retrain it with `longspec train-drafter --drafter dels --base dflash`)."""
+  from longspec_jax import default_target_dir
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, build_drafter
+  from longspec_jax.hf_io import load_model_dir, weights_sha256
+  info = json.loads((SHIPPED_DRAFTERS_DIR / "dels" / "drafter.json").read_text())
+  assert weights_sha256(SHIPPED_DRAFTERS_DIR / "dflash") == info["base_weights_sha256"]
+  d = build_drafter("dels", load_model_dir(default_target_dir()))
+  assert d.spec.cfg.alpha == tuple(info["alpha"]) and len(d.spec.cfg.alpha) == d.spec.base.cfg.block_size - 1
