@@ -51,14 +51,14 @@ def _dels(target_model, cfg=None, seed=0, dflash_seed=1):
                         _head(cfg, seed))
 
 
-def _state_and_ctx(target_model, spec, params, lens, t=40, temperature=0.0):
+def _state_and_ctx(target_model, spec, params, lens, t=40):
   b = len(lens)
   toks = jnp.asarray(np.random.default_rng(5).integers(3, V, (b, t + BLOCK)), jnp.int32)
   taps = target_model(toks, mode="train", taps=spec.taps, return_logits=False).taps
   pre = PrefillResult(prompt_tokens=toks, tokens=toks, prompt_lens=jnp.asarray(lens), taps=taps, new_kv=None,
                       target_cache=None)
   state = spec.init_state(params, pre, t + BLOCK)
-  ctx = ProposeContext(tokens=toks, num_tokens=jnp.asarray(lens) + 1, sampling=SamplingParams.make(temperature))
+  ctx = ProposeContext(tokens=toks, num_tokens=jnp.asarray(lens) + 1, sampling=SamplingParams.make(0.0))
   return toks, taps, state, ctx
 
 

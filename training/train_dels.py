@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
-from longspec_jax.drafters.dels import (DeLSConfig, combine, local_block_logits, save_dels_dir, unigram_log_prior)
+from longspec_jax.drafters.dels import (DeLSConfig, combine, local_block_logits, resolve_base_dir, save_dels_dir,
+                                        unigram_log_prior)
 from longspec_jax.drafters.dflash import load_dflash_model, target_io
 from longspec_jax.hf_io import load_model_dir
 from training.drafter_data import load_drafter_data, target_name, weights_sha256
@@ -134,9 +135,8 @@ def _sampler_cfg(cfg: DeLSTrainConfig, block_size: int, anchors: int, gamma: flo
 
 def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
   """Trains the local head, tunes alpha/beta; returns the exported directory (or the checkpoint dir when stopped)."""
-  from longspec_jax.drafters.dels import _base_dir
   train_rows, val_rows, target_dir, target_cfg, manifests = _load_rows(cfg)
-  base_dir = _base_dir(Path.cwd(), cfg.base)
+  base_dir = resolve_base_dir(Path.cwd(), cfg.base)
   base_model = load_dflash_model(base_dir)
   base_model.cfg.check_target(target_cfg)
   bs = base_model.cfg.block_size

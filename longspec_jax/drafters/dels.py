@@ -245,7 +245,8 @@ def save_dels_dir(cfg: DeLSConfig, head: dict, out_dir, base_drafter: str, extra
   return out_dir
 
 
-def _base_dir(drafter_dir: Path, name: str) -> Path:
+def resolve_base_dir(drafter_dir: Path, name: str) -> Path:
+  """A base drafter named in a DeLS config: a shipped drafter name, else a path (relative to drafter_dir)."""
   from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR
   path = Path(name)
   if len(path.parts) == 1 and (SHIPPED_DRAFTERS_DIR / name / "config.json").exists():
@@ -276,7 +277,7 @@ def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None) -> LoadedDraf
   if unknown:
     raise ValueError(f"unexpected DeLS tensors {unknown} in {drafter_dir}")
   head = {TENSOR_NAMES[k]: np.asarray(v, np.float32) for k, v in tensors.items()}
-  base = load_dflash(Path(base_dir) if base_dir else _base_dir(drafter_dir, conf["base_drafter"]), target,
+  base = load_dflash(Path(base_dir) if base_dir else resolve_base_dir(drafter_dir, conf["base_drafter"]), target,
                      sharpdraft=sharpdraft)
   return dels_from_head(base, cfg, head)
 
