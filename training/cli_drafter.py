@@ -13,6 +13,7 @@ DRAFTERS = {
     "pard": ("training.train_drafter", "DrafterTrainConfig", "train_standalone_drafter"),
     "dflash": ("training.train_dflash", "DFlashTrainConfig", "train_dflash"),
     "eagle3": ("training.train_eagle3", "Eagle3TrainConfig", "train_eagle3"),
+    "dels": ("training.train_dels", "DeLSTrainConfig", "train_dels"),
 }
 
 
@@ -41,7 +42,8 @@ def cmd_train_drafter(a) -> int:
 
   module, config_cls, train_fn = DRAFTERS[a.drafter]
   mod = importlib.import_module(module)
-  cfg = load_yaml(getattr(mod, config_cls), a.config or f"configs/drafter_{a.drafter}.yaml", a.set)
+  overrides = a.set + ([f"base={a.base}"] if a.base else [])  # --base: the frozen drafter a head wraps (dels)
+  cfg = load_yaml(getattr(mod, config_cls), a.config or f"configs/drafter_{a.drafter}.yaml", overrides)
   print(getattr(mod, train_fn)(cfg, resume=not a.no_resume))
   return 0
 
@@ -67,4 +69,5 @@ def add_subcommands(subparsers) -> None:
   t.add_argument("--config", help="YAML config (default: configs/drafter_<drafter>.yaml)")
   t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
   t.add_argument("--no-resume", action="store_true")
+  t.add_argument("--base", help="dels: the frozen DFlash the local head wraps (shipped name or directory)")
   t.set_defaults(fn=cmd_train_drafter)

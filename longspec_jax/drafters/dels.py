@@ -1,0 +1,349 @@
+"""DeLS-Spec: a frozen DFlash drafter plus a small recurrent local head that sees the drafts chosen so far.
+
+DFlash drafts all block positions in one parallel pass, so slot i never sees the drafts before it. The local head
+is a 1-layer bias-free GRU over (small, projected) target embeddings of the tokens chosen so far in the block, zero
+state per block, read out through a rank-r projection and a [V, r] head (the target's LM head times a learned
+r -> H map, fused). Per block position i the logits are combined as
+
+  z_i = z_dflash_i + alpha_i * z_local_i - beta_i * log p_unigram
+
+and the block is decoded left to right in a `lax.scan`: the token chosen at position i is fed to the GRU before
+position i+1. Greedy drafts take argmax z_i; sampled drafts are drawn from processed(z_i), and that distribution is
+returned as q, so rejection sampling stays exact.
+
+Where the GRU starts (`gru_start`):
+  "pending": our default. The GRU first reads the pending token (the block's anchor), so every draft, the first
+    included, is corrected. This matches the public trainer, which feeds x_a..x_{a+K-1} for targets x_{a+1..a+K}.
+  "first_draft": the public runtime. Draft 1 is DFlash's alone; the GRU starts at draft 1 (never sees the pending
+    token). Position 0's alpha/beta are ignored. Public checkpoints load in this mode.
+
+Tensor names follow the public local-head state dict (`prefix_gru.weight_ih_l0` [3G, E] with gates r, z, n,
+`prefix_gru.weight_hh_l0` [3G, G], `rank_proj.weight` [r, G], `low_rank_lm_head.weight` [V, r],
+`embed_tokens.weight` [V, E] for the projected-input / direct-vocab variant) plus `log_prior` [V]. DeLS adds no
+state: it carries DFlash's state and DFlash's update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.dflash import DFlashDrafter, load_dflash
+from longspec_jax.sampling import processed_log_probs
+
+ARCHITECTURE = "DeLSLocalHead"
+WEIGHTS_FILE = "model.safetensors"
+GRU_STARTS = ("pending", "first_draft")
+ACTIVATIONS = ("identity", "silu")
+# Public state-dict name -> our head pytree key.
+TENSOR_NAMES = {"embed_tokens.weight": "emb", "prefix_gru.weight_ih_l0": "w_ih", "prefix_gru.weight_hh_l0": "w_hh",
+                "rank_proj.weight": "rank", "low_rank_lm_head.weight": "head", "log_prior": "log_prior"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeLSConfig:
+  vocab_size: int
+  embed_dim: int  # E: GRU input width (= the target's hidden size for the full-embedding variant)
+  gru_hidden_dim: int  # G
+  low_rank_dim: int  # r
+  alpha: tuple[float, ...]  # per block position (K_max = block_size - 1 entries): local-head weight
+  beta: tuple[float, ...]  # per block position: weight of -log p_unigram
+  rank_activation: str = "silu"
+  gru_start: str = "pending"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "embed_dim", "gru_hidden_dim", "low_rank_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"DeLS {name} must be >= 1, got {getattr(self, name)}")
+    if self.rank_activation not in ACTIVATIONS:
+      raise ValueError(f"DeLS rank_activation must be one of {ACTIVATIONS}, got {self.rank_activation!r}")
+    if self.gru_start not in GRU_STARTS:
+      raise ValueError(f"DeLS gru_start must be one of {GRU_STARTS}, got {self.gru_start!r}")
+    if not self.alpha or len(self.alpha) != len(self.beta):
+      raise ValueError(f"DeLS alpha and beta need one entry per block position, got {len(self.alpha)} and "
+                       f"{len(self.beta)}")
+
+  def with_schedule(self, alpha, beta) -> "DeLSConfig":
+    """alpha/beta as scalars (broadcast over this config's positions) or per-position sequences."""
+    n = len(self.alpha)
+    expand = lambda x: tuple(float(v) for v in (np.full(n, x) if np.ndim(x) == 0 else x))
+    return dataclasses.replace(self, alpha=expand(alpha), beta=expand(beta))
+
+  def mix_weights(self, k: int):
+    """(alpha [k], beta [k], feed [k]): feed[i] = whether position i's step first reads a token into the GRU."""
+    if k > len(self.alpha):
+      raise ValueError(f"num_draft_tokens {k} exceeds the {len(self.alpha)} positions DeLS has weights for")
+    alpha, beta = np.asarray(self.alpha[:k], np.float32), np.asarray(self.beta[:k], np.float32)
+    feed = np.ones(k, bool)
+    if self.gru_start == "first_draft":
+      alpha[0] = beta[0] = 0.0
+      feed[0] = False
+    return jnp.asarray(alpha), jnp.asarray(beta), jnp.asarray(feed)
+
+
+def gru_cell(head, x, h):
+  """torch.nn.GRU (bias=False) step: x [N, E], h [N, G] -> [N, G]; weight rows are the gates r, z, n."""
+  gi = jnp.einsum("ne,ge->ng", x, head["w_ih"])
+  gh = jnp.einsum("nh,gh->ng", h, head["w_hh"])
+  i_r, i_z, i_n = jnp.split(gi, 3, axis=-1)
+  h_r, h_z, h_n = jnp.split(gh, 3, axis=-1)
+  r = jax.nn.sigmoid(i_r + h_r)
+  z = jax.nn.sigmoid(i_z + h_z)
+  n = jnp.tanh(i_n + r * h_n)
+  return (1.0 - z) * n + z * h
+
+
+def local_logits(cfg: DeLSConfig, head, h):
+  s = jnp.einsum("ng,rg->nr", h, head["rank"])
+  if cfg.rank_activation == "silu":
+    s = jax.nn.silu(s)
+  return jnp.einsum("nr,vr->nv", s, head["head"])
+
+
+def local_block_logits(cfg: DeLSConfig, head, prev):
+  """Teacher-forced local logits [N, K, V]: prev [N, K] are the tokens read before each position (the pending
+  token then drafts 1..K-1 for gru_start "pending"); a position whose feed flag is off reads nothing."""
+  n, k = prev.shape
+  _, _, feed = cfg.mix_weights(k)
+
+  def step(h, xs):
+    tok, f = xs
+    h = jnp.where(f, gru_cell(head, head["emb"][tok], h), h)
+    return h, local_logits(cfg, head, h)
+
+  h0 = jnp.zeros((n, cfg.gru_hidden_dim), jnp.float32)
+  _, out = jax.lax.scan(step, h0, (prev.T, feed))
+  return jnp.swapaxes(out, 0, 1)
+
+
+def combine(base, local, log_prior, alpha, beta):
+  """z = base + alpha * local - beta * log p_unigram; alpha/beta broadcast over the trailing vocab axis."""
+  return base + alpha[..., None] * local - beta[..., None] * log_prior
+
+
+def decode_block(cfg: DeLSConfig, head, base_logits, pending, sp=None, key=None):
+  """Left-to-right decode of one block. base_logits [B, K, V] (DFlash), pending [B].
+  Returns (drafts [B, K], z [B, K, V]) greedily (sp None), or (drafts, log q [B, K, V]) when sampling with sp."""
+  b, k, _ = base_logits.shape
+  alpha, beta, feed = cfg.mix_weights(k)
+  # Everything that does not depend on the drafts is done for the whole block before the scan: the prior term,
+  # and (sampling) the Gumbel noise, so each step draws argmax(log q + g) = a sample of q.
+  base = jnp.swapaxes(base_logits, 0, 1).astype(jnp.float32) - beta[:, None, None] * head["log_prior"]
+  noise = jax.random.gumbel(key, base.shape) if sp is not None else jnp.zeros((k,), jnp.float32)
+
+  def step(carry, xs):
+    h, prev = carry
+    base_i, a_i, f_i, g_i = xs
+    h = jnp.where(f_i, gru_cell(head, head["emb"][prev], h), h)
+    z = base_i + a_i * local_logits(cfg, head, h)
+    out = z if sp is None else processed_log_probs(z, sp)
+    tok = jnp.argmax(out + g_i, -1).astype(jnp.int32)
+    return (h, tok), (tok, out)
+
+  h0 = jnp.zeros((b, cfg.gru_hidden_dim), jnp.float32)
+  _, (toks, out) = jax.lax.scan(step, (h0, pending.astype(jnp.int32)), (base, alpha, feed, noise))
+  return toks.T, jnp.swapaxes(out, 0, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeLSDrafter:
+  base: DFlashDrafter
+  cfg: DeLSConfig
+  name: str = "dels"
+  needs_target_kv: bool = False
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    return self.base.taps
+
+  @property
+  def vocab_size(self) -> int:
+    return self.base.vocab_size
+
+  def init_state(self, params, prefill, max_len):
+    return self.base.init_state(params["base"], prefill, max_len)
+
+  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+    pending = jnp.take_along_axis(ctx.tokens, (ctx.num_tokens - 1)[:, None], axis=1)[:, 0]
+    base_logits = self.base.block_logits(params["base"], state, pending, num_draft)
+    if not sample:
+      drafts, _ = decode_block(self.cfg, params["head"], base_logits, pending)
+      return drafts, None, state
+    drafts, logq = decode_block(self.cfg, params["head"], base_logits, pending, ctx.sampling, key)
+    return drafts, jnp.exp(logq), state
+
+  def update(self, params, state, verify):
+    return self.base.update(params["base"], state, verify)
+
+
+def dels_from_head(base: LoadedDrafter, cfg: DeLSConfig, head: dict) -> LoadedDrafter:
+  if cfg.vocab_size != base.spec.vocab_size:
+    raise ValueError(f"DeLS local head vocabulary {cfg.vocab_size} does not match the base drafter's "
+                     f"{base.spec.vocab_size}")
+  if len(cfg.alpha) < base.spec.cfg.block_size - 1:
+    raise ValueError(f"DeLS has alpha/beta for {len(cfg.alpha)} positions; the base DFlash drafts up to "
+                     f"{base.spec.cfg.block_size - 1}")
+  check_head(cfg, head)
+  head = {k: jnp.asarray(v, jnp.float32) for k, v in head.items()}
+  return LoadedDrafter(DeLSDrafter(base=base.spec, cfg=cfg), {"base": base.params, "head": head})
+
+
+def head_shapes(cfg: DeLSConfig) -> dict:
+  v, e, g, r = cfg.vocab_size, cfg.embed_dim, cfg.gru_hidden_dim, cfg.low_rank_dim
+  return {"emb": (v, e), "w_ih": (3 * g, e), "w_hh": (3 * g, g), "rank": (r, g), "head": (v, r), "log_prior": (v,)}
+
+
+def check_head(cfg: DeLSConfig, head: dict) -> None:
+  want = head_shapes(cfg)
+  missing = sorted(set(want) - set(head))
+  if missing:
+    raise ValueError(f"DeLS local head lacks {missing}")
+  bad = {k: (tuple(head[k].shape), s) for k, s in want.items() if tuple(head[k].shape) != s}
+  if bad:
+    raise ValueError(f"DeLS local head tensor shapes (got, expected): {bad}")
+
+
+def unigram_log_prior(counts, vocab_size: int) -> np.ndarray:
+  """log((count + 1) / sum): add-one smoothing over the vocabulary, as the public code does."""
+  c = np.zeros(vocab_size, np.float64)
+  counts = np.asarray(counts, np.float64).reshape(-1)
+  if counts.size > vocab_size:
+    raise ValueError(f"unigram counts cover {counts.size} tokens, more than the vocabulary {vocab_size}")
+  c[:counts.size] = counts
+  c += 1.0
+  return (np.log(c) - np.log(c.sum())).astype(np.float32)
+
+
+# ---- our checkpoint directory -----------------------------------------------------------------------------------
+
+def save_dels_dir(cfg: DeLSConfig, head: dict, out_dir, base_drafter: str, extra_config: dict | None = None) -> Path:
+  """config.json + model.safetensors (bf16 tables, fp32 prior). base_drafter: a shipped drafter name or a path
+  (relative to out_dir) of the frozen DFlash this head was tuned on."""
+  import ml_dtypes
+  from safetensors.numpy import save_file
+
+  check_head(cfg, head)
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  conf = {"architectures": [ARCHITECTURE], "base_drafter": base_drafter,
+          "model_config": {"vocab_size": cfg.vocab_size, "embed_dim": cfg.embed_dim,
+                           "gru_hidden_dim": cfg.gru_hidden_dim, "low_rank_dim": cfg.low_rank_dim,
+                           "rank_activation": cfg.rank_activation, "rnn_parameterization": "direct_vocab",
+                           "lm_head_mode": "low_rank"},
+          "gru_start": cfg.gru_start, "alpha": list(cfg.alpha), "beta": list(cfg.beta), **(extra_config or {})}
+  (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
+  names = {v: k for k, v in TENSOR_NAMES.items()}
+  tensors = {names[k]: np.asarray(v, np.float32) for k, v in head.items()}
+  tensors = {k: (v if k == "log_prior" else v.astype(ml_dtypes.bfloat16)) for k, v in tensors.items()}
+  save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+  return out_dir
+
+
+def resolve_base_dir(drafter_dir: Path, name: str) -> Path:
+  """A base drafter named in a DeLS config: a shipped drafter name, else a path (relative to drafter_dir)."""
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR
+  path = Path(name)
+  if len(path.parts) == 1 and (SHIPPED_DRAFTERS_DIR / name / "config.json").exists():
+    return SHIPPED_DRAFTERS_DIR / name
+  return path if path.is_absolute() else drafter_dir / path
+
+
+def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None) -> LoadedDrafter:
+  """Our DeLS directory: the local head, its alpha/beta, and the base DFlash it names (or `base_dir`)."""
+  from longspec_jax.hf_io import _read_tensors
+  drafter_dir = Path(drafter_dir)
+  path = drafter_dir / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"no DeLS config at {path}")
+  try:
+    conf = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"corrupt config file {path}: {e}") from e
+  if ARCHITECTURE not in (conf.get("architectures") or []):
+    raise ValueError(f"not a DeLS local-head config: {path} (architectures {conf.get('architectures')})")
+  mc = conf["model_config"]
+  cfg = DeLSConfig(vocab_size=int(mc["vocab_size"]), embed_dim=int(mc["embed_dim"]),
+                   gru_hidden_dim=int(mc["gru_hidden_dim"]), low_rank_dim=int(mc["low_rank_dim"]),
+                   rank_activation=mc.get("rank_activation", "identity"), gru_start=conf.get("gru_start", "pending"),
+                   alpha=tuple(float(a) for a in conf["alpha"]), beta=tuple(float(b) for b in conf["beta"]))
+  tensors = _read_tensors(drafter_dir)
+  unknown = sorted(set(tensors) - set(TENSOR_NAMES))
+  if unknown:
+    raise ValueError(f"unexpected DeLS tensors {unknown} in {drafter_dir}")
+  head = {TENSOR_NAMES[k]: np.asarray(v, np.float32) for k, v in tensors.items()}
+  base = load_dflash(Path(base_dir) if base_dir else resolve_base_dir(drafter_dir, conf["base_drafter"]), target,
+                     sharpdraft=sharpdraft)
+  return dels_from_head(base, cfg, head)
+
+
+# ---- public local-head checkpoints (SpecForge local_head.pt / merged_rnn_local_head.pt) -------------------------
+
+def load_public_local_head(path, target, block_size: int, alpha=0.3, beta=0.3, unigram_counts=None):
+  """(DeLSConfig, head) from a public torch checkpoint {model_config, model_state_dict}:
+  - the projected-input ("direct_vocab", merged_rnn_local_head.pt) variant carries `embed_tokens.weight` [V, E];
+  - the full-embedding variant (E = the target's hidden size) reads the target's own embedding;
+  the head is `low_rank_lm_head.weight` [V, r] or, with lm_head_mode "target_lm_head", `rank_to_hidden.weight`
+  [H, r] fused with the target's LM head. The prior is uniform unless `unigram_counts` [V] is given. The public
+  runtime's schedule: draft 1 uncorrected, the GRU starting at it."""
+  import torch
+  ckpt = torch.load(str(path), map_location="cpu", weights_only=True)
+  if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model_state_dict" not in ckpt:
+    raise ValueError(f"{path}: a public DeLS local head holds model_config and model_state_dict")
+  mc, sd = ckpt["model_config"], {k: v.detach().float().numpy() for k, v in ckpt["model_state_dict"].items()}
+  if "embed_down_proj.weight" in sd:
+    raise ValueError(f"{path} keeps an unmerged input projection; convert it to merged_rnn_local_head.pt first")
+  tcfg = target.cfg
+  v = int(mc["vocab_size"])
+  if v != tcfg.vocab_size:
+    raise ValueError(f"{path}: local head vocabulary {v} vs the target's {tcfg.vocab_size}")
+  embed = np.asarray(target.embed_tokens.embedding[...], np.float32)  # [V, H]
+  lm_head = embed if target.lm_head is None else np.asarray(target.lm_head.kernel[...], np.float32).T  # [V, H]
+  direct = mc.get("rnn_parameterization", mc.get("local_head_parameterization")) == "direct_vocab" or \
+      mc.get("architecture") == "direct_vocab_rnn"
+  if direct:
+    if "embed_tokens.weight" not in sd:
+      raise ValueError(f"{path}: a direct-vocab local head needs embed_tokens.weight")
+    emb = sd.pop("embed_tokens.weight")
+  else:
+    if int(mc["embed_dim"]) != tcfg.hidden_size:
+      raise ValueError(f"{path}: the full-embedding local head reads the target embedding, so embed_dim "
+                       f"{mc['embed_dim']} must equal the hidden size {tcfg.hidden_size}")
+    emb = embed
+    sd.pop("embed_tokens.weight", None)
+  if mc.get("lm_head_mode", "low_rank") == "target_lm_head":
+    if "rank_to_hidden.weight" not in sd:
+      raise ValueError(f"{path}: lm_head_mode target_lm_head needs rank_to_hidden.weight")
+    head = lm_head @ sd.pop("rank_to_hidden.weight")
+    sd.pop("low_rank_lm_head.weight", None)
+  else:
+    head = sd.pop("low_rank_lm_head.weight", None)
+    if head is None:
+      raise ValueError(f"{path}: no low_rank_lm_head.weight")
+  sd.pop("target_lm_head.weight", None)
+  want = ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "rank_proj.weight")
+  missing = [k for k in want if k not in sd]
+  if missing:
+    raise ValueError(f"{path}: missing local-head tensors {missing}")
+  extra = sorted(set(sd) - set(want))
+  if extra:
+    raise ValueError(f"{path}: unexpected local-head tensors {extra}")
+  n = block_size - 1
+  cfg = DeLSConfig(vocab_size=v, embed_dim=int(mc["embed_dim"]), gru_hidden_dim=int(mc["gru_hidden_dim"]),
+                   low_rank_dim=int(mc["low_rank_dim"]), rank_activation=mc.get("rank_activation", "identity"),
+                   gru_start="first_draft", alpha=(0.0,) * n, beta=(0.0,) * n).with_schedule(alpha, beta)
+  prior = unigram_log_prior(unigram_counts if unigram_counts is not None else np.zeros(v), v)
+  head = {"emb": emb, "w_ih": sd["prefix_gru.weight_ih_l0"], "w_hh": sd["prefix_gru.weight_hh_l0"],
+          "rank": sd["rank_proj.weight"], "head": head, "log_prior": prior}
+  check_head(cfg, head)
+  return cfg, {k: jnp.asarray(x, jnp.float32) for k, x in head.items()}
+
+
+def load_public_dels(path, base: LoadedDrafter, target, alpha=0.3, beta=0.3, unigram_counts=None) -> LoadedDrafter:
+  cfg, head = load_public_local_head(path, target, base.spec.cfg.block_size, alpha, beta, unigram_counts)
+  return dels_from_head(base, cfg, head)

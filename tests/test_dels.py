@@ -1,0 +1,265 @@
+"""DeLS-Spec: lossless through the engine (greedy exact match, sampling statistics), alpha = beta = 0 is DFlash,
+training forward == inference forward, the public local-head formats against a torch reference, our checkpoint
+round trip, bad input, and the trainer."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inference.generate import generate
+from longspec_jax.drafters.base import PrefillResult, ProposeContext
+from longspec_jax.drafters.dels import (DeLSConfig, combine, decode_block, dels_from_head, head_shapes, load_dels,
+                                        load_public_dels, load_public_local_head, local_block_logits, save_dels_dir,
+                                        unigram_log_prior)
+from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, dflash_from_model, save_dflash_dir, target_io
+from longspec_jax.sampling import SamplingParams, processed_log_probs
+from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample, peaky_target,
+                                    target)  # noqa: F401  (fixtures)
+from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
+from training.train_dels import DeLSTrainConfig, init_head_params, merge_head
+from training.train_dflash import dflash_train_logits
+
+BLOCK = 5
+
+
+def _dflash_model(target_model, seed=1):
+  return create_dflash(dflash_config_for(target_model.cfg, num_layers=1, num_target_taps=2, block_size=BLOCK),
+                       seed=seed)
+
+
+def _cfg(alpha=1.0, beta=0.5, gru_start="pending", vocab=V, e=8, g=12, r=6):
+  return DeLSConfig(vocab_size=vocab, embed_dim=e, gru_hidden_dim=g, low_rank_dim=r, alpha=(0.0,) * (BLOCK - 1),
+                    beta=(0.0,) * (BLOCK - 1), gru_start=gru_start).with_schedule(alpha, beta)
+
+
+def _head(cfg, seed=0, scale=3.0):
+  """Random tables large enough that the local head changes DFlash's drafts."""
+  rng = np.random.default_rng(seed)
+  head = {k: (scale * rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
+          for k, s in head_shapes(cfg).items() if k != "log_prior"}
+  head["log_prior"] = unigram_log_prior(rng.integers(0, 40, cfg.vocab_size), cfg.vocab_size)
+  return head
+
+
+def _dels(target_model, cfg=None, seed=0, dflash_seed=1):
+  cfg = cfg or _cfg()
+  return dels_from_head(dflash_from_model(_dflash_model(target_model, dflash_seed), target_model), cfg,
+                        _head(cfg, seed))
+
+
+def _state_and_ctx(target_model, spec, params, lens, t=40):
+  b = len(lens)
+  toks = jnp.asarray(np.random.default_rng(5).integers(3, V, (b, t + BLOCK)), jnp.int32)
+  taps = target_model(toks, mode="train", taps=spec.taps, return_logits=False).taps
+  pre = PrefillResult(prompt_tokens=toks, tokens=toks, prompt_lens=jnp.asarray(lens), taps=taps, new_kv=None,
+                      target_cache=None)
+  state = spec.init_state(params, pre, t + BLOCK)
+  ctx = ProposeContext(tokens=toks, num_tokens=jnp.asarray(lens) + 1, sampling=SamplingParams.make(0.0))
+  return toks, taps, state, ctx
+
+
+@pytest.mark.parametrize("gru_start,batch,lengths", [("pending", 1, [9]), ("first_draft", 2, [5, 70])])
+def test_greedy_dels_equals_ar(target, gru_start, batch, lengths):
+  d = _dels(target, _cfg(gru_start=gru_start))
+  prompts = _prompts(batch, lengths)
+  ar = generate(target, prompts, max_new_tokens=20, eos_id=-1)
+  for k in ((1, BLOCK - 1) if batch == 1 else (BLOCK - 1,)):
+    sp = generate(target, prompts, max_new_tokens=20, eos_id=-1, drafter=d, num_draft_tokens=k)
+    assert sp.tokens == ar.tokens, f"K={k}"
+
+
+def test_zero_weights_give_dflash_drafts_and_probs(target):
+  base = dflash_from_model(_dflash_model(target), target)
+  _, _, state, ctx = _state_and_ctx(target, base.spec, base.params, [12, 30])
+  pending = ctx.tokens[jnp.arange(2), ctx.num_tokens - 1]
+  logits = jax.jit(lambda p, s: base.spec.block_logits(p, s, pending, BLOCK - 1))(base.params, state)
+  head = {k: jnp.asarray(v) for k, v in _head(_cfg()).items()}
+  run = jax.jit(decode_block, static_argnums=0)
+  drafts, _ = run(_cfg(0.0, 0.0), head, logits, pending)
+  assert np.array_equal(drafts, jnp.argmax(logits, -1))  # DFlash's greedy drafts
+  assert not np.array_equal(run(_cfg(1.0, 0.5), head, logits, pending)[0], drafts)  # the test is not vacuous
+  # Sampled: DFlash draws all slots at once, DeLS one per step, so the draws differ; q is DFlash's distribution.
+  sp = SamplingParams.make(0.7, 10, 0.9)
+  _, logq = run(_cfg(0.0, 0.0), head, logits, pending, sp, jax.random.key(3))
+  np.testing.assert_allclose(np.exp(logq), np.exp(processed_log_probs(logits, sp)), atol=1e-6)
+
+
+@pytest.mark.parametrize("gru_start", ["pending", "first_draft"])
+def test_training_forward_matches_inference(target, gru_start):
+  """Per block: DFlash's many-anchor training logits + the teacher-forced local head on the drafts chosen, combined,
+  equal the logits the left-to-right decode used for each position."""
+  model = _dflash_model(target, seed=4)
+  base = dflash_from_model(model, target)
+  params = init_head_params(DeLSTrainConfig(embed_dim=8, gru_hidden_dim=12, low_rank_dim=6), target.cfg.hidden_size,
+                            seed=1)
+  params["up"] = 0.5 * jax.random.normal(jax.random.key(2), params["up"].shape)  # trained, not the zero init
+  io = target_io(target)
+  prior = unigram_log_prior(np.arange(V), V)
+  cfg = dataclasses.replace(_cfg(gru_start=gru_start), rank_activation="silu")
+  cfg = cfg.with_schedule(np.linspace(0.3, 1.5, BLOCK - 1), np.linspace(0.0, 0.4, BLOCK - 1))
+  d = dels_from_head(base, cfg, jax.tree.map(np.asarray, merge_head(params, io, prior)))
+  b, t = 2, 40
+  toks = jnp.asarray(np.random.default_rng(0).integers(3, V, (b, t)), jnp.int32)
+  taps = target(toks, mode="train", taps=base.spec.taps, return_logits=False).taps
+  anchors = jnp.asarray([[5, 17, 30], [12, 3, 34]], jnp.int32)
+  base_train = dflash_train_logits(model, io, taps, toks, anchors)  # [B, A, K, V]
+  for j in range(anchors.shape[1]):
+    a = anchors[:, j]
+    pre = PrefillResult(prompt_tokens=toks, tokens=toks, prompt_lens=a, taps=taps, new_kv=None, target_cache=None)
+    state = d.spec.init_state(d.params, pre, t + BLOCK)
+    pending = toks[jnp.arange(b), a]
+    inf_base = base.spec.block_logits(base.params, state, pending, BLOCK - 1)
+    drafts, z_inf = decode_block(cfg, d.params["head"], inf_base, pending)
+    head = merge_head(params, io, prior)
+    prev = jnp.concatenate([pending[:, None], drafts[:, :-1]], 1)
+    alpha, beta, _ = cfg.mix_weights(BLOCK - 1)
+    z_train = combine(base_train[:, j], local_block_logits(cfg, head, prev), head["log_prior"], alpha, beta)
+    np.testing.assert_allclose(np.asarray(z_train), np.asarray(z_inf), atol=3e-4, rtol=3e-4)
+    assert np.array_equal(np.asarray(jnp.argmax(z_train, -1)), np.asarray(drafts))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0),
+                                                    pytest.param(0.8, 20, 0.9, marks=pytest.mark.slow)])
+def test_dels_sampling_matches_target_distribution(peaky_target, temperature, top_k, top_p):  # noqa: F811
+  d = _dels(peaky_target, _cfg(1.0, 0.5), seed=2, dflash_seed=2)
+  marg = _exact_marginals(peaky_target, SamplingParams.make(temperature, top_k, top_p))
+  samples = _sample(peaky_target, d, temperature, top_k, top_p, seed=17)
+  pvals = _chi2_pvalues(samples, marg)
+  assert min(pvals) > 0.01 / N_POS, f"chi-square p-values {pvals}"
+
+
+def _torch_local_head(e, g, r, v, seed, h_target=None):
+  """A public-layout local head in torch: nn.GRU(bias=False) + rank_proj + low_rank_lm_head (or rank_to_hidden)."""
+  import torch
+  torch.manual_seed(seed)
+  gru = torch.nn.GRU(e, g, num_layers=1, batch_first=True, bias=False)
+  rank = torch.nn.Linear(g, r, bias=False)
+  out = torch.nn.Linear(r, v if h_target is None else h_target, bias=False)
+  with torch.no_grad():
+    out.weight.mul_(4.0)
+  return gru, rank, out
+
+
+def test_public_local_head_formats_match_torch(target, tmp_path):
+  import torch
+  h = target.cfg.hidden_size
+  embed = torch.tensor(np.asarray(target.embed_tokens.embedding[...]))
+  tokens = torch.tensor([[5, 9, 40, 7]])
+  prev = jnp.asarray(tokens.numpy(), jnp.int32)
+  base = dflash_from_model(_dflash_model(target), target)
+  for variant in ("direct_vocab", "full_embedding"):
+    e, g, r = (8 if variant == "direct_vocab" else h), 12, 6
+    gru, rank, out = _torch_local_head(e, g, r, V, seed=1, h_target=None if variant == "direct_vocab" else h)
+    sd = {"prefix_gru.weight_ih_l0": gru.weight_ih_l0, "prefix_gru.weight_hh_l0": gru.weight_hh_l0,
+          "rank_proj.weight": rank.weight}
+    mc = {"vocab_size": V, "embed_dim": e, "gru_hidden_dim": g, "low_rank_dim": r, "rank_activation": "silu"}
+    if variant == "direct_vocab":
+      emb = torch.randn(V, e)
+      sd.update({"embed_tokens.weight": emb, "low_rank_lm_head.weight": out.weight})
+      mc.update(rnn_parameterization="direct_vocab", lm_head_mode="low_rank")
+      head_w = out.weight
+    else:
+      emb = embed
+      sd.update({"embed_tokens.weight": embed, "rank_to_hidden.weight": out.weight})  # the frozen table is skipped
+      mc.update(lm_head_mode="target_lm_head")
+      head_w = embed @ out.weight  # tied target: LM head weight = embedding
+    path = tmp_path / f"{variant}.pt"
+    torch.save({"model_config": mc, "model_state_dict": {k: v.detach().clone() for k, v in sd.items()}}, path)
+    with torch.no_grad():
+      states, _ = gru(emb[tokens])
+      ref = torch.nn.functional.silu(rank(states)) @ head_w.T  # [1, 4, V]
+    cfg, head = load_public_local_head(path, target, BLOCK, alpha=0.4, beta=0.1)
+    assert cfg.gru_start == "first_draft" and cfg.alpha == (0.4,) * (BLOCK - 1) and cfg.embed_dim == e
+    ours = local_block_logits(dataclasses.replace(cfg, gru_start="pending"), head, prev)
+    np.testing.assert_allclose(np.asarray(ours), ref.numpy(), atol=2e-4, rtol=2e-4)
+    d = load_public_dels(path, base, target, alpha=0.4, beta=0.1)
+    assert d.spec.cfg == cfg and np.array_equal(d.params["head"]["head"], head["head"])
+  torch.save({"model_config": mc, "model_state_dict": {**sd, "embed_down_proj.weight": torch.zeros(8, h)}},
+             tmp_path / "unmerged.pt")
+  with pytest.raises(ValueError, match="unmerged input projection"):
+    load_public_local_head(tmp_path / "unmerged.pt", target, BLOCK)
+  torch.save({"model_config": mc, "model_state_dict": {k: v for k, v in sd.items() if "hh" not in k}},
+             tmp_path / "partial.pt")
+  with pytest.raises(ValueError, match="missing local-head tensors"):
+    load_public_local_head(tmp_path / "partial.pt", target, BLOCK)
+
+
+def test_checkpoint_round_trip_and_bad_input(target, tmp_path):
+  save_dflash_dir(_dflash_model(target), tmp_path / "dflash")
+  cfg = _cfg(alpha=0.0, beta=0.0).with_schedule(np.linspace(0.1, 0.8, BLOCK - 1), [0.05] * (BLOCK - 1))
+  head = _head(cfg)
+  save_dels_dir(cfg, head, tmp_path / "dels", base_drafter="../dflash")
+  d = load_dels(tmp_path / "dels", target)
+  assert d.spec.cfg == cfg
+  for k, x in head.items():  # tables ship in bf16, the prior in fp32
+    want = x if k == "log_prior" else np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(d.params["head"][k]), want)
+  prompts = _prompts(1, [21])
+  assert generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=d, num_draft_tokens=4).tokens == \
+      generate(target, prompts, max_new_tokens=12, eos_id=-1).tokens
+  with pytest.raises(ValueError, match="exceeds the 4 positions"):
+    cfg.mix_weights(5)
+  with pytest.raises(ValueError, match="outside \\[1, 4\\]"):
+    generate(target, prompts, max_new_tokens=4, drafter=d, num_draft_tokens=5)
+  with pytest.raises(ValueError, match="vocabulary"):
+    dels_from_head(dflash_from_model(_dflash_model(target), target), _cfg(vocab=V + 1), _head(_cfg(vocab=V + 1)))
+  bad = dict(head, w_hh=head["w_hh"][:, :-1])
+  with pytest.raises(ValueError, match="shapes"):
+    dels_from_head(dflash_from_model(_dflash_model(target), target), cfg, bad)
+  with pytest.raises(ValueError, match="gru_start"):
+    _cfg(gru_start="anchor")
+  conf = json.loads((tmp_path / "dels" / "config.json").read_text())
+  (tmp_path / "dels" / "config.json").write_text(json.dumps({**conf, "architectures": ["DFlashDraftModel"]}))
+  with pytest.raises(ValueError, match="not a DeLS"):
+    load_dels(tmp_path / "dels", target)
+
+
+@pytest.mark.slow
+def test_train_dels_tunes_exports_and_resumes(env, tmp_path):  # noqa: F811
+  """Trainer on tiny target-generated data over a frozen DFlash: the loss falls, a stopped + resumed run ends
+  bit-identical, alpha/beta land in the config, and the export is lossless through the engine."""
+  from longspec_jax.hf_io import load_model_dir
+  from longspec_jax.yaml_config import from_dict
+  from training.train_dels import train_dels
+  tmp, data_cfg = env
+  target = load_model_dir(tmp / "target")
+  save_dflash_dir(create_dflash(dflash_config_for(target.cfg, num_layers=1, num_target_taps=2, block_size=4)),
+                  tmp_path / "dflash")
+
+  def cfg(out, **kw):
+    return from_dict(DeLSTrainConfig, dict(
+        data_dirs=[data_cfg.out_dir], base=str(tmp_path / "dflash"), out_dir=str(tmp_path / out), embed_dim=4,
+        gru_hidden_dim=8, low_rank_dim=4, context_len=32, anchors_per_window=3, batch_size=2, steps=12,
+        optim=dict(lr=0.03, warmup_steps=2), val_fraction=0.5, val_windows=2, val_anchors=4, tune_num_draft=3,
+        alpha_grid=[0.0, 0.5], beta_grid=[0.0, 0.2], log_every=1, checkpoint_every_minutes=100.0, **kw))
+
+  final = train_dels(cfg("a"))
+  log = [json.loads(l) for l in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+  assert len(log) == 12 and np.mean([r["loss"] for r in log[-3:]]) < np.mean([r["loss"] for r in log[:3]])
+  info = json.loads((final / "drafter.json").read_text())
+  conf = json.loads((final / "config.json").read_text())
+  assert info["kind"] == "dels" and len(conf["alpha"]) == len(conf["beta"]) == 3
+  assert set(conf["alpha"]) <= {0.0, 0.5} and info["held_out_greedy_blocks"] > 0
+  assert str(train_dels(cfg("b", stop_after_steps=5))).endswith("checkpoints")
+  resumed = train_dels(cfg("b"))
+  assert (final / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
+  d = load_dels(final, target)
+  prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft_tokens=3).tokens == \
+      generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
+
+
+def test_shipped_dels_loads_and_matches_its_base():
+  """The shipped head names the shipped DFlash and was tuned on exactly its weights (retraining DFlash makes the
+  head stale: retrain it with `longspec train-drafter --drafter dels --base dflash`)."""
+  from longspec_jax import default_target_dir
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, build_drafter
+  from longspec_jax.hf_io import load_model_dir, weights_sha256
+  info = json.loads((SHIPPED_DRAFTERS_DIR / "dels" / "drafter.json").read_text())
+  assert weights_sha256(SHIPPED_DRAFTERS_DIR / "dflash") == info["base_weights_sha256"]
+  d = build_drafter("dels", load_model_dir(default_target_dir()))
+  assert d.spec.cfg.alpha == tuple(info["alpha"]) and len(d.spec.cfg.alpha) == d.spec.base.cfg.block_size - 1

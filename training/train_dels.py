@@ -1,0 +1,325 @@
+"""`longspec train-drafter --drafter dels --base dflash`: the DeLS local head over a frozen DFlash drafter.
+
+Only the local head is trained, with next-token CE inside DFlash-sized blocks of the target's own generations: block
+anchored at a reads x_a..x_{a+K-1} (zero GRU state per block) and predicts x_{a+1..a+K}, slot weights
+exp(-(k-1)/gamma). No target forward is needed. Trainable: an input projection of the target's frozen embedding
+(H -> E), the bias-free GRU (E -> G), a rank projection (G -> r) and an r -> H map into the target's frozen LM head
+(zero init); the export fuses them into the public "direct vocab" tables emb [V, E] and head [V, r].
+
+The unigram prior is counted on the training continuations (the tokens the loss sees). alpha/beta are then tuned
+on held-out greedy rows by simulated greedy acceptance: for a block of the target's greedy output, the drafts
+accepted before the first miss equal the labels, so feeding the labels to the GRU gives exactly the leading-correct
+count the engine would see; DFlash's block logits come from the frozen target's taps, as in DFlash training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax import sharding as shd
+from longspec_jax.drafters.dels import (DeLSConfig, combine, local_block_logits, resolve_base_dir, save_dels_dir,
+                                        unigram_log_prior)
+from longspec_jax.drafters.dflash import load_dflash_model, target_io
+from longspec_jax.hf_io import load_model_dir
+from training.drafter_data import load_drafter_data, target_name, weights_sha256
+from training.losses import cross_entropy
+from training.train_dflash import BlockSampler, dflash_train_logits, make_tap_fn
+from training.train_drafter import _target_config
+from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+
+
+@dataclasses.dataclass(frozen=True)
+class DeLSTrainConfig:
+  data_dirs: tuple[str, ...] = ("runs/drafter_data",)
+  base: str = "dflash"  # the frozen DFlash: a shipped drafter name or a directory
+  target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
+  out_dir: str = "runs/drafter_dels"
+  embed_dim: int = 64  # E
+  gru_hidden_dim: int = 256  # G
+  low_rank_dim: int = 64  # r
+  rank_activation: str = "silu"
+  context_len: int = 512  # window length the blocks are cut from (only the block tokens are read)
+  anchors_per_window: int = 16
+  gamma: float = 7.0  # slot-weight decay exp(-(k-1)/gamma)
+  batch_size: int = 8
+  steps: int = 1200
+  optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
+  val_fraction: float = 0.1
+  val_windows: int = 40
+  val_anchors: int = 48
+  tune_num_draft: int = 8  # drafts per step the alpha/beta tuning optimizes acceptance for
+  alpha_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
+  beta_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
+  seed: int = 0
+  checkpoint_every_minutes: float = 5.0
+  log_every: int = 10
+  mesh_data: int = 0  # 0 = all devices
+  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
+
+  def __post_init__(self):
+    for name in ("embed_dim", "gru_hidden_dim", "low_rank_dim", "context_len", "anchors_per_window",
+                 "batch_size", "steps", "val_windows", "val_anchors", "tune_num_draft"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.gamma <= 0 or not 0 < self.val_fraction < 1:
+      raise ValueError(f"need gamma > 0 and 0 < val_fraction < 1, got {self.gamma}, {self.val_fraction}")
+    if not self.data_dirs or not self.alpha_grid or not self.beta_grid:
+      raise ValueError("data_dirs, alpha_grid and beta_grid must be non-empty")
+
+
+def init_head_params(cfg: DeLSTrainConfig, hidden: int, seed: int) -> dict:
+  """Trainable tables in torch [out, in] layout; `up` starts at zero so the head starts as no correction."""
+  e, g, r = cfg.embed_dim, cfg.gru_hidden_dim, cfg.low_rank_dim
+  k = jax.random.split(jax.random.key(seed), 4)
+  u = lambda key, shape, fan_in: jax.random.uniform(key, shape, jnp.float32, -1, 1) * fan_in ** -0.5
+  return {"proj": u(k[0], (e, hidden), hidden), "w_ih": u(k[1], (3 * g, e), g), "w_hh": u(k[2], (3 * g, g), g),
+          "rank": u(k[3], (r, g), g), "up": jnp.zeros((hidden, r), jnp.float32)}
+
+
+def merge_head(params: dict, io: dict, log_prior) -> dict:
+  """Trainable tables + the target's frozen embedding/LM head -> the inference head (direct-vocab tables)."""
+  embed = io["embed"].astype(jnp.float32)  # [V, H]
+  lm_head = io["lm_head"].astype(jnp.float32).T if "lm_head" in io else embed  # [V, H]
+  return {"emb": embed @ params["proj"].T, "w_ih": params["w_ih"], "w_hh": params["w_hh"], "rank": params["rank"],
+          "head": lm_head @ params["up"], "log_prior": jnp.asarray(log_prior, jnp.float32)}
+
+
+def block_prev(batch) -> jax.Array:
+  """Tokens each block position reads first: the anchor, then the labels before it. [B*A, K]."""
+  anchor_tok = jnp.take_along_axis(batch["tokens"], batch["anchors"], axis=1)
+  prev = jnp.concatenate([anchor_tok[..., None], batch["labels"][..., :-1]], -1)
+  return prev.reshape(-1, prev.shape[-1])
+
+
+def dels_loss(dcfg: DeLSConfig, params, batch):
+  head = merge_head(params, batch["io"], batch["log_prior"])
+  logits = local_block_logits(dcfg, head, block_prev(batch))
+  labels, w = batch["labels"].reshape(logits.shape[:2]), batch["label_w"].reshape(logits.shape[:2])
+  loss, _ = cross_entropy(logits, labels, w)
+  hit = (jnp.argmax(logits, -1) == labels) & (w > 0)
+  return loss, {"top1_slot1": jnp.sum(hit[:, 0]) / jnp.maximum(jnp.sum(w[:, 0] > 0), 1)}
+
+
+def _load_rows(cfg: DeLSTrainConfig):
+  """(train rows, val rows, target dir, target config, manifests); rows are (tokens, prompt length, greedy)."""
+  rows, manifests, target = [], [], None
+  for d in cfg.data_dirs:
+    ds, manifest = load_drafter_data(d)
+    target_dir, t = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=d), manifest)
+    if target is not None and t.vocab_size != target[1].vocab_size:
+      raise ValueError(f"drafter data dirs {cfg.data_dirs} come from targets with different vocabularies")
+    target = target or (target_dir, t)
+    manifests.append(manifest)
+    rows += [(list(p) + list(c), len(p), float(temp) == 0.0)
+             for p, c, temp in zip(ds["prompt"], ds["continuation"], ds["temperature"])]
+  order = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
+  n_val = max(int(round(cfg.val_fraction * len(rows))), 1)
+  if n_val >= len(rows):
+    raise ValueError(f"val_fraction {cfg.val_fraction} leaves no training rows out of {len(rows)}")
+  return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]], target[0], target[1], manifests
+
+
+def _sampler_cfg(cfg: DeLSTrainConfig, block_size: int, anchors: int, gamma: float):
+  return types.SimpleNamespace(context_len=cfg.context_len, block_size=block_size, anchors_per_window=anchors,
+                               gamma=gamma)
+
+
+def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
+  """Trains the local head, tunes alpha/beta; returns the exported directory (or the checkpoint dir when stopped)."""
+  train_rows, val_rows, target_dir, target_cfg, manifests = _load_rows(cfg)
+  base_dir = resolve_base_dir(Path.cwd(), cfg.base)
+  base_model = load_dflash_model(base_dir)
+  base_model.cfg.check_target(target_cfg)
+  bs = base_model.cfg.block_size
+  v = target_cfg.vocab_size
+  top = max(max(r) for r, _, _ in train_rows + val_rows)
+  if top >= v:
+    raise ValueError(f"drafter data has token id {top} >= the target's vocab_size {v}")
+  pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
+  sampler = BlockSampler([(r, p) for r, p, _ in train_rows], _sampler_cfg(cfg, bs, cfg.anchors_per_window,
+                                                                         cfg.gamma), pad_id, cfg.seed)
+  counts = np.bincount(np.concatenate([np.asarray(r[p:], np.int64) for r, p, _ in train_rows]), minlength=v)
+  log_prior = unigram_log_prior(counts, v)
+  dcfg = DeLSConfig(vocab_size=v, embed_dim=cfg.embed_dim, gru_hidden_dim=cfg.gru_hidden_dim,
+                    low_rank_dim=cfg.low_rank_dim, rank_activation=cfg.rank_activation,
+                    alpha=(0.0,) * (bs - 1), beta=(0.0,) * (bs - 1))
+
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+  target = load_model_dir(target_dir)
+  params = init_head_params(cfg, target_cfg.hidden_size, cfg.seed)
+  n_params = sum(int(x.size) for x in jax.tree.leaves(params))
+  print(f"DeLS local head: {n_params / 1e6:.3f}M trainable parameters (E={cfg.embed_dim}, G={cfg.gru_hidden_dim}, "
+        f"r={cfg.low_rank_dim}) over the frozen DFlash {base_dir}; {len(train_rows)} train / {len(val_rows)} val "
+        f"rows, block {bs}")
+
+  mesh = shd.make_mesh(cfg.mesh_data or None)
+  if cfg.batch_size % mesh.shape["data"]:
+    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
+  optimizer = make_optimizer(cfg.optim, cfg.steps)
+  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
+  data_sharding = shd.batch_sharding(mesh)
+  io = jax.device_put(target_io(target), shd.replicated(mesh))
+  prior = jax.device_put(jnp.asarray(log_prior), shd.replicated(mesh))
+
+  def batch_fn(step):
+    batch = jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding)
+    return dict(batch, io=io, log_prior=prior)
+
+  t0 = time.time()
+  state, finished = train_until(state, ckpt, mesh, lambda p, b: dels_loss(dcfg, p, b), optimizer, batch_fn,
+                                steps=cfg.steps, stop_after_steps=cfg.stop_after_steps,
+                                log_path=out / "train_log.jsonl", log_every=cfg.log_every,
+                                tokens_per_step=cfg.batch_size * cfg.anchors_per_window * (bs - 1),
+                                desc="train-drafter dels")
+  if not finished:
+    return out / "checkpoints"
+  head = jax.tree.map(np.asarray, merge_head(state.params, target_io(target), log_prior))
+  # Tune on exactly what ships: the tables rounded to bf16 (the prior stays fp32).
+  head = {k: (x if k == "log_prior" else np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)))
+          for k, x in head.items()}
+  train_s = time.time() - t0
+  tuning = tune_alpha_beta(cfg, dcfg, head, base_model, target, val_rows, pad_id)
+  dcfg = dcfg.with_schedule(tuning.pop("alpha"), tuning.pop("beta"))
+  return export_dels(cfg, dcfg, head, base_dir, target_dir, manifests, train_s, tuning)
+
+
+def val_hits(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_model, target, rows, pad_id: int) -> dict:
+  """Held-out rows. grid: per block of a greedy row with K real labels, hits [n_grid, N, K] of the combined argmax
+  for every (alpha, beta) on the grid (index ia * len(beta_grid) + ib). local_*: the local head alone on all rows."""
+  bs = base_model.cfg.block_size
+  k = bs - 1
+  graphdef, bparams = nnx.split(base_model)
+  io = target_io(target)
+  tap_fn = make_tap_fn(target, base_model.cfg.taps)
+  grid = jnp.asarray([(a, b) for a in cfg.alpha_grid for b in cfg.beta_grid], jnp.float32)
+  head = {n: jnp.asarray(x) for n, x in head.items()}
+
+  def local_and_labels(batch):
+    return (local_block_logits(dcfg, head, block_prev(batch)), batch["labels"].reshape(-1, k),
+            batch["label_w"].reshape(-1, k))
+
+  @jax.jit
+  def grid_hits(bparams, batch, taps):
+    base = dflash_train_logits(nnx.merge(graphdef, bparams), io, taps, batch["tokens"], batch["anchors"])
+    base = base.reshape(-1, k, base.shape[-1]).astype(jnp.float32)
+    local, labels, w = local_and_labels(batch)
+    hits = lambda ab: jnp.argmax(combine(base, local, head["log_prior"], ab[0], ab[1]), -1) == labels
+    return jax.lax.map(hits, grid), jnp.all(w > 0, -1)
+
+  @jax.jit
+  def local_stats(batch):
+    local, labels, w = local_and_labels(batch)
+    ce, n = cross_entropy(local, labels, w)
+    return jnp.argmax(local, -1) == labels, w > 0, ce * n, n
+
+  def batches(group):
+    sampler = BlockSampler(group, _sampler_cfg(cfg, bs, cfg.val_anchors, 1e9), pad_id, cfg.seed + 1)
+    for i in range(-(-min(cfg.val_windows, len(group)) // cfg.batch_size)):
+      yield {n: jnp.asarray(x) for n, x in sampler.batch(i, cfg.batch_size).items()}
+
+  out = {"grid": [], "local_hit": [], "real": [], "ce": 0.0, "n": 0.0}
+  for batch in batches([(r, p) for r, p, g in rows if g]):
+    hits, full = grid_hits(bparams, batch, tap_fn(batch["tokens"]))
+    out["grid"].append(np.asarray(hits)[:, np.asarray(full)])
+  for batch in batches([(r, p) for r, p, _ in rows]):
+    hit, real, ce, n = local_stats(batch)
+    out["local_hit"].append(np.asarray(hit))
+    out["real"].append(np.asarray(real))
+    out["ce"] += float(ce)
+    out["n"] += float(n)
+  return out
+
+
+def _leading(hits, k):
+  """Mean leading-correct count over the first k positions. hits [..., N, K] -> [...]."""
+  return np.cumprod(hits[..., :k], axis=-1).sum(-1).mean(-1)
+
+
+def tune_alpha_beta(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_model, target, rows, pad_id) -> dict:
+  """Grid over scalar (alpha, beta) and a per-position schedule by coordinate ascent, each fitted on one half of
+  the held-out greedy blocks and compared on the other; the better one on the second half is kept."""
+  v = val_hits(cfg, dcfg, head, base_model, target, rows, pad_id)
+  if not v["grid"]:
+    raise ValueError("no held-out greedy rows to tune alpha/beta on; raise val_fraction")
+  hits = np.concatenate(v["grid"], axis=1)  # [n_grid, N, K]
+  k_all, kt = hits.shape[2], min(cfg.tune_num_draft, hits.shape[2])
+  n = hits.shape[1]
+  perm = np.random.default_rng(cfg.seed).permutation(n)
+  fit, check = perm[: n // 2], perm[n // 2:]
+  pairs = [(a, b) for a in cfg.alpha_grid for b in cfg.beta_grid]
+  zero = pairs.index((0.0, 0.0)) if (0.0, 0.0) in pairs else None
+
+  def schedule_score(choice, idx):  # choice [K]: a grid index per position
+    return _leading(np.stack([hits[c, idx, i] for i, c in enumerate(choice)], -1), kt)
+
+  scalar_fit = _leading(hits[:, fit], kt)
+  best = int(np.argmax(scalar_fit))
+  choice = [best] * k_all
+  for _ in range(3):  # coordinate ascent: positions interact only through the leading-correct product
+    for i in range(kt):
+      scores = [schedule_score(choice[:i] + [g] + choice[i + 1:], fit) for g in range(len(pairs))]
+      choice[i] = int(np.argmax(scores))
+  scalar_check = float(_leading(hits[best, check], kt))
+  sched_check = float(schedule_score(choice, check))
+  use_schedule = sched_check > scalar_check
+  final = choice if use_schedule else [best] * k_all
+  all_idx = np.arange(n)
+  per_pos = lambda ch: [round(float(x), 4) for x in
+                        np.cumprod(np.stack([hits[c, all_idx, i] for i, c in enumerate(ch)], -1), -1).mean(0)]
+  local_hit, real = np.concatenate(v["local_hit"]), np.concatenate(v["real"])
+  res = {
+      "alpha": [pairs[c][0] for c in final], "beta": [pairs[c][1] for c in final],
+      "tuning": {
+          "held_out_greedy_blocks": int(n), "num_draft": kt,
+          "grid_mean_accept_fit_half": {f"{a},{b}": round(float(s), 4) for (a, b), s in zip(pairs, scalar_fit)},
+          "scalar_best": {"alpha": pairs[best][0], "beta": pairs[best][1],
+                          "mean_accept_check_half": round(scalar_check, 4)},
+          "schedule_mean_accept_check_half": round(sched_check, 4),
+          "dflash_alone_mean_accept_check_half": (round(float(_leading(hits[zero, check], kt)), 4)
+                                                  if zero is not None else None),
+          "chosen": "per-position schedule" if use_schedule else "scalar",
+          "accept_per_position_dflash": per_pos([zero] * k_all) if zero is not None else None,
+          "accept_per_position_dels": per_pos(final),
+      },
+  }
+  res["tuning"]["local_head_val_ce"] = round(v["ce"] / max(v["n"], 1), 4)
+  res["tuning"]["local_head_val_top1_per_slot"] = [round(float(x), 4) for x in
+                                                   (local_hit & real).sum(0) / np.maximum(real.sum(0), 1)]
+  return res
+
+
+def export_dels(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_dir: Path, target_dir, manifests,
+                train_s: float, tuning: dict) -> Path:
+  out = Path(cfg.out_dir)
+  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
+  last = log[-1] if log else {}
+  final = save_dels_dir(dcfg, head, out / "final", base_drafter=cfg.base)
+  info = {
+      "kind": "dels",
+      "base_drafter": cfg.base,
+      "base_weights_sha256": weights_sha256(base_dir),
+      "target": target_name(target_dir),
+      "target_weights_sha256": weights_sha256(target_dir),
+      "data": [{"dir": Path(d).name, **m["counts"], "temperature": m["settings"]["temperature"],
+                "greedy_fraction": m["settings"]["greedy_fraction"]} for d, m in zip(cfg.data_dirs, manifests)],
+      "unigram_prior": "add-one smoothed counts of the training continuations",
+      "embed_dim": cfg.embed_dim, "gru_hidden_dim": cfg.gru_hidden_dim, "low_rank_dim": cfg.low_rank_dim,
+      "rank_activation": cfg.rank_activation, "gru_start": dcfg.gru_start,
+      "steps": cfg.steps, "batch_size": cfg.batch_size, "anchors_per_window": cfg.anchors_per_window,
+      "gamma": cfg.gamma, "final_loss": last.get("loss"), "train_wall_s": round(train_s, 1),
+      "alpha": list(dcfg.alpha), "beta": list(dcfg.beta),
+      **tuning["tuning"],
+  }
+  (final / "drafter.json").write_text(json.dumps(info, indent=2))
+  return final
