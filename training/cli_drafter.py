@@ -11,6 +11,7 @@ DRAFTERS = {
     "pard": ("training.train_drafter", "DrafterTrainConfig", "train_standalone_drafter"),
     "dflash": ("training.train_dflash", "DFlashTrainConfig", "train_dflash"),
     "eagle3": ("training.train_eagle3", "Eagle3TrainConfig", "train_eagle3"),
+    "longspark": ("training.train_longspark", "LongSparkTrainConfig", "train_longspark"),
 }
 
 

@@ -43,12 +43,18 @@ def _eagle3(target, drafter_dir, sharpdraft):
   return load_eagle3(_shipped("eagle3", drafter_dir), target, sharpdraft=sharpdraft)
 
 
+def _longspark(target, drafter_dir, sharpdraft):
+  from longspec_jax.drafters.longspark import load_longspark
+  return load_longspark(_shipped("longspark", drafter_dir), target)
+
+
 BUILDERS: dict[str, Callable] = {
     "dflash": _dflash,
     "eagle3": _eagle3,
     "prompt-lookup": _prompt_lookup,
     "standalone": _standalone("classic"),
     "pard": _standalone("pard"),
+    "longspark": _longspark,
 }
 
 
