@@ -70,7 +70,8 @@ def test_merge_rows_equals_one_softmax_over_all_rows():
   assert np.all(np.asarray(o3) == 0) and np.all(np.isneginf(np.asarray(l3)))
 
 
-@pytest.mark.parametrize("batch,lengths", [(1, [5]), (1, [70]), (4, [3, 40, 17, 90])])
+@pytest.mark.parametrize("batch,lengths", [(1, [5]), pytest.param(1, [70], marks=pytest.mark.slow),
+                                           pytest.param(4, [3, 40, 17, 90], marks=pytest.mark.slow)])
 def test_greedy_longspark_equals_ar(target, longspark, batch, lengths):
   prompts = _prompts(batch, lengths)
   ar = generate(target, prompts, max_new_tokens=24, eos_id=-1)
@@ -79,6 +80,7 @@ def test_greedy_longspark_equals_ar(target, longspark, batch, lengths):
     assert sp.tokens == ar.tokens, f"K={k}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("markov_rank", [0, 8])
 def test_longspark_sampling_matches_target_distribution(peaky_target, markov_rank):  # noqa: F811
   d = longspark_from_model(_longspark(peaky_target, seed=2, markov_rank=markov_rank), peaky_target)
@@ -128,6 +130,7 @@ def _step_by_step(target_model, drafter, prompts, steps, k):
     yield state, cache, num_tokens - 1
 
 
+@pytest.mark.slow
 def test_online_summaries_equal_full_softmax_at_every_decode_step(target):
   """After prefill and after every verification of a real greedy decode (drafts mostly rejected by a random
   drafter), the Global summaries equal a softmax over exactly the committed target K/V rows, the ring holds the
@@ -314,6 +317,7 @@ def test_bad_checkpoints_targets_and_k(target, tmp_path):
     generate(target, [[3, 4, 5]], max_new_tokens=4, drafter=d, num_draft_tokens=8)
 
 
+@pytest.mark.slow
 def test_train_longspark_exports_and_resumes_exactly(env, tmp_path):  # noqa: F811
   """Trainer on tiny target-generated data (feature cache built once, reused): the loss falls, a stopped + resumed
   run ends bit-identical, and the export loads as a drafter that is lossless against its target."""

@@ -134,9 +134,16 @@ def longspark_train_logits(model: LongSparkModel, io, boundary, anchors, g_out, 
   return logits + model.markov_bias(prev)
 
 
+def _summaries(model, batch):
+  # The slab's first W rows lie before pre_len (see AnchorSampler): only the rows after them can enter the Global
+  # summaries of the anchors, so the per-anchor merge skips them.
+  w = model.cfg.raw_window
+  return anchor_summaries(model, batch["pre_k"], batch["pre_v"], batch["pre_len"], batch["slab_k"][:, :, w:],
+                          batch["slab_v"][:, :, w:], batch["slab_pos"][:, w:], batch["anchors"])
+
+
 def longspark_loss(model, batch):
-  g_out = anchor_summaries(model, batch["pre_k"], batch["pre_v"], batch["pre_len"], batch["slab_k"],
-                           batch["slab_v"], batch["slab_pos"], batch["anchors"])
+  g_out = _summaries(model, batch)
   logits = longspark_train_logits(model, batch["io"], batch["boundary"], batch["anchors"], g_out, batch["slab_k"],
                                   batch["slab_v"], batch["slab_pos"], batch["prev"])
   loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
@@ -190,7 +197,7 @@ class FeatureCache:
     def forward(p, tokens):
       out = nnx.merge(graphdef, p)(tokens, mode="train", taps=tap_idx, return_kv=True, return_logits=False)
       k, v = out.new_kv
-      return jnp.stack([k[ids], v[ids]], 2)[:, 0].transpose(1, 0, 2, 3, 4), out.taps[0]
+      return jnp.stack([k[ids][:, 0], v[ids][:, 0]], 1).transpose(2, 0, 1, 3, 4), out.taps[0]  # [T, L, 2, Hkv, D]
 
     for i in tqdm(range(done, len(self.rows)), desc="longspark feature cache", initial=done, total=len(self.rows)):
       toks, _ = self.rows[i]
@@ -218,7 +225,9 @@ class FeatureCache:
 
 class AnchorSampler:
   """Batches of windows from one cache; the batch for step s is a pure function of (seed, s), so a resumed run
-  replays the same batches. Shapes are fixed per cache (prefix rows Cp, slab rows) so the step compiles once."""
+  replays the same batches. Shapes are fixed per cache (prefix rows Cp, slab rows) so the step compiles once.
+  A window's prefix is rows [0, tail_start); its slab is rows [tail_start - W, end), so the slab's first W rows
+  are prefix rows (Raw only) and the rest are the tail the anchors live in."""
 
   def __init__(self, cache: FeatureCache, windows, cfg: LongSparkTrainConfig, seed: int):
     self.c, self.windows, self.cfg, self.seed = cache, np.asarray(windows), cfg, seed
@@ -343,8 +352,7 @@ def validation_metrics(model: LongSparkModel, target, sampler: AnchorSampler, wi
   @jax.jit
   def stats(params, batch):
     m = nnx.merge(graphdef, params)
-    g_out = anchor_summaries(m, batch["pre_k"], batch["pre_v"], batch["pre_len"], batch["slab_k"], batch["slab_v"],
-                             batch["slab_pos"], batch["anchors"])
+    g_out = _summaries(m, batch)
     logits = longspark_train_logits(m, io, batch["boundary"], batch["anchors"], g_out, batch["slab_k"],
                                     batch["slab_v"], batch["slab_pos"], batch["prev"])
     ce, n = cross_entropy(logits, batch["labels"], batch["label_w"])
