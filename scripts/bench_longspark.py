@@ -116,6 +116,51 @@ def run_context(model, drafters, prompts, args, sp) -> dict:
   return out
 
 
+def report(result: dict, prefix: str) -> None:
+  """<prefix>.md (table) and <prefix>.png (tau with 95% CI, draft ms per step, drafter state bytes vs context)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ctxs = sorted(result["contexts"], key=int)
+  methods = [m for m in result["contexts"][ctxs[0]] if m not in ("ar", "wall_s")]
+  lines = [f"`{result['command']}`", "",
+           "| context | method | prompts | mean tau [95% CI] | accept per position | draft ms/step | verify ms/step "
+           "| state bytes | decode speedup vs AR | exact match |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for c in ctxs:
+    for m in methods:
+      r = result["contexts"][c][m]
+      lines.append(f"| {c} | {m} | {len(r['prompts'])} | {r['tau_mean']:.2f} [{r['tau_ci95'][0]:.2f}, "
+                   f"{r['tau_ci95'][1]:.2f}] | {' '.join(f'{x:.2f}' for x in r['accept_per_position'])} | "
+                   f"{r['draft_ms_per_step']:.1f} | {r['verify_ms_per_step']:.1f} | {r['drafter_state_bytes']:,} | "
+                   f"{r['speedup_vs_ar']:.2f} | {r['exact_match_ar']} |")
+  if "longspark" in methods:
+    lines += ["", "LongSpark attention mass on (Global, Raw, Local), mean over layers (first prompt per context):", ""]
+    for c in ctxs:
+      mass = np.mean(result["contexts"][c]["longspark"]["view_mass_per_layer_global_raw_local"], 0)
+      lines.append(f"- {c}: " + ", ".join(f"{n} {x:.3f}" for n, x in zip(("Global", "Raw", "Local"), mass)))
+  Path(prefix + ".md").write_text("\n".join(lines) + "\n")
+  x = [int(c) for c in ctxs]
+  fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+  for m in methods:
+    rs = [result["contexts"][c][m] for c in ctxs]
+    tau = np.asarray([r["tau_mean"] for r in rs])
+    ci = np.asarray([r["tau_ci95"] for r in rs]).T
+    ax[0].errorbar(x, tau, yerr=[tau - ci[0], ci[1] - tau], marker="o", capsize=3, label=m)
+    ax[1].plot(x, [r["draft_ms_per_step"] for r in rs], marker="o", label=m)
+    ax[2].plot(x, [r["drafter_state_bytes"] / 2 ** 20 for r in rs], marker="o", label=m)
+  for a, title in zip(ax, ("mean tau (95% CI)", "draft ms per step (CPU, shared machine)",
+                           "drafter state MiB per sequence")):
+    a.set_xscale("log", base=2)
+    a.set_xlabel("context tokens")
+    a.set_title(title)
+    a.legend()
+  ax[2].set_yscale("log")
+  fig.suptitle(f"LongSpark vs DFlash, shipped 8.4M target, K={result['num_draft']}, T={result['temperature']}")
+  fig.tight_layout()
+  fig.savefig(prefix + ".png", dpi=110)
+  plt.close(fig)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 4096, 8192, 16384])
@@ -148,6 +193,7 @@ def main(argv=None):
     result["contexts"][str(c)] = run_context(model, drafters, prompts, args, sp)
     result["contexts"][str(c)]["wall_s"] = round(time.time() - t0, 1)
     out_path.write_text(json.dumps(result, indent=1))
+    report(result, args.out)
     summary = {m: {k: v for k, v in r.items() if k not in ("prompts",)} for m, r in result["contexts"][str(c)].items()
                if isinstance(r, dict)}
     print(json.dumps(summary), flush=True)

@@ -219,12 +219,12 @@ def test_training_forward_matches_inference(target, pre_len):
   nxt = anchors[..., None] + jnp.arange(bs)
   prev = jnp.take_along_axis(toks[:, None, :], jnp.minimum(nxt, t - 1), axis=2)
   train_logits = longspark_train_logits(m, longspark_io(target), boundary, anchors, g_out, k, v, pos, prev)
+  init, block = jax.jit(d.spec.init_state, static_argnums=2), jax.jit(d.spec.block_logits)  # one compile each
   for j in range(anchors.shape[1]):
     a = anchors[:, j]
     pre = PrefillResult(prompt_tokens=toks, tokens=toks, prompt_lens=a, taps=out.taps, new_kv=out.new_kv,
                         target_cache=None)
-    state = d.spec.init_state(d.params, pre, t + bs)
-    inf = d.spec.block_logits(d.params, state, toks[jnp.arange(b), a]) + m.markov_bias(prev[:, j])
+    inf = block(d.params, init(d.params, pre, t + bs), toks[jnp.arange(b), a]) + m.markov_bias(prev[:, j])
     np.testing.assert_allclose(np.asarray(train_logits[:, j]), np.asarray(inf), atol=2e-4, rtol=2e-4)
 
 
@@ -348,3 +348,20 @@ def test_train_longspark_exports_and_resumes_exactly(env, tmp_path):  # noqa: F8
   prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
   assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft_tokens=7).tokens == \
       generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
+
+
+def test_position_shift_is_the_same_text_at_later_positions(target):
+  """The trainer's shift augmentation: rotating cached target keys by `shift` gives exactly the keys (and the same
+  taps) the target computes for the same text at positions + shift."""
+  from training.train_longspark import _shift_window
+  m = _longspark(target, seed=5)
+  toks = jnp.asarray(np.random.default_rng(1).integers(3, V, (2, 24)), jnp.int32)
+  shift = jnp.asarray([0, 1500], jnp.int32)
+  ids = jnp.asarray(m.cfg.target_layer_ids)
+  base = target(toks, mode="train", taps=m.cfg.taps, return_kv=True, return_logits=False)
+  moved = target(toks, mode="train", taps=m.cfg.taps, return_kv=True, return_logits=False,
+                 positions=jnp.arange(24)[None, :] + shift[:, None])
+  k = base.new_kv[0][ids]
+  got = _shift_window(m, {"shift": shift, "pre_k": k, "slab_k": k})
+  np.testing.assert_allclose(np.asarray(got["pre_k"]), np.asarray(moved.new_kv[0][ids]), atol=2e-4)
+  np.testing.assert_allclose(np.asarray(base.taps), np.asarray(moved.taps), atol=2e-4)

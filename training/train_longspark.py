@@ -35,6 +35,7 @@ from longspec_jax.drafters.longspark import (LongSparkModel, _final_norm, create
                                              longspark_io, merge_rows, save_longspark_dir)
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
+from longspec_jax.rope import apply_rope, rope_frequencies
 from pallas_kernels.query_scaled_attention import merge_attention_views
 from training.drafter_data import load_drafter_data, target_name, weights_sha256
 from training.losses import cross_entropy
@@ -67,6 +68,8 @@ class LongSparkTrainConfig:
   log_every: int = 10
   mesh_data: int = 0  # 0 = all devices
   stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
+  # >0: half the windows are moved to a random start in [0, position_shift_max - length] (see _shift_window).
+  position_shift_max: int = 0
 
   def __post_init__(self):
     for name in ("num_layers", "block_size", "num_global_slots", "raw_window", "anchors_per_window",
@@ -100,16 +103,20 @@ def anchor_summaries(model: LongSparkModel, pre_k, pre_v, pre_len, slab_k, slab_
   return out
 
 
-def longspark_train_logits(model: LongSparkModel, io, boundary, anchors, g_out, slab_k, slab_v, slab_pos, prev):
+def longspark_train_logits(model: LongSparkModel, io, boundary, anchors, g_out, slab_k, slab_v, slab_pos, prev,
+                           shift=None):
   """Logits [B, A, B_s, V] (Markov term included, teacher-forced on prev [B, A, B_s]; prev[..., 0] is the block's
   pending token x_a) of every anchor's block. boundary [B, A, L, H]: the selected layers' outputs at row a-1;
-  g_out from `anchor_summaries`; slab as there."""
+  g_out from `anchor_summaries`; slab as there. shift [B]: RoPE positions of the block are anchors + shift (the
+  target keys must have been rotated by the same shift, `_shift_window`)."""
   cfg = model.cfg
   a_cfg = cfg.arch
   b, na = anchors.shape
   bs, hq, d, gs = cfg.block_size, a_cfg.num_attention_heads, a_cfg.head_dim, cfg.num_global_slots
   x = model.block_input(io, prev[..., 0], boundary).reshape(b, na * bs, -1)
   pos = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, na * bs)
+  if shift is not None:
+    pos = pos + shift[:, None]
   q_anchor = jnp.repeat(anchors, bs, axis=1)
   sp = slab_pos[:, None, :]
   raw_visible = (sp >= 0) & (sp < q_anchor[:, :, None]) & (sp >= q_anchor[:, :, None] - cfg.raw_window)
@@ -142,10 +149,28 @@ def _summaries(model, batch):
                           batch["slab_v"][:, :, w:], batch["slab_pos"][:, w:], batch["anchors"])
 
 
+def _shift_window(model, batch):
+  """Moves every window to positions + shift [B]. The target's only position signal is RoPE, so the same text at
+  later positions has the same hidden states and its keys rotated by R(shift) (RoPE rotations compose): this
+  shows the drafter its one absolute-position-dependent score, block query . Global key (no RoPE on the keys), at
+  positions beyond the window lengths, without long target forwards."""
+  inv_freq, _ = rope_frequencies(model.cfg.arch, jnp.max(batch["shift"]))
+
+  def rotate(k):  # [L, B, R, Hkv, D]
+    n, b, r = k.shape[:3]
+    flat = k.transpose(1, 0, 2, 3, 4).reshape(b, n * r, *k.shape[3:])
+    pos = jnp.broadcast_to(batch["shift"][:, None], (b, n * r))
+    return apply_rope(flat.astype(jnp.float32), pos, inv_freq, 1.0).reshape(b, n, r, *k.shape[3:]).transpose(
+        1, 0, 2, 3, 4)
+  return dict(batch, pre_k=rotate(batch["pre_k"]), slab_k=rotate(batch["slab_k"]))
+
+
 def longspark_loss(model, batch):
+  if "shift" in batch:
+    batch = _shift_window(model, batch)
   g_out = _summaries(model, batch)
   logits = longspark_train_logits(model, batch["io"], batch["boundary"], batch["anchors"], g_out, batch["slab_k"],
-                                  batch["slab_v"], batch["slab_pos"], batch["prev"])
+                                  batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))
   loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
   hit = (jnp.argmax(logits, -1) == batch["labels"]) & (batch["label_w"] > 0)
   return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(batch["label_w"][..., 0] > 0), 1)}
@@ -268,7 +293,12 @@ class AnchorSampler:
     # Anchors from the last prompt token (tail_start + 1) to the second-to-last row (>= 1 label).
     anchors = [self.c.tail_start[i] + 1 + rng.integers(0, self.c.lens[i] - 2 - self.c.tail_start[i],
                                                         size=self.cfg.anchors_per_window) for i in wins]
-    return self.window_batch(wins, anchors)
+    out = self.window_batch(wins, anchors)
+    if self.cfg.position_shift_max:
+      room = np.maximum(self.cfg.position_shift_max - self.c.lens[wins], 0)
+      shift = (rng.random(len(wins)) * room).astype(np.int32)
+      out["shift"] = np.where(rng.random(len(wins)) < 0.5, shift, 0).astype(np.int32)
+    return out
 
 
 def _load_rows(data_dir, cfg):
