@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 import types
 from pathlib import Path
@@ -62,6 +63,7 @@ class LongSparkTrainConfig:
   steps: int = 1000
   optim: OptimConfig = OptimConfig(lr=2e-3, warmup_steps=50)
   val_windows: int = 8  # whole windows of the first data dir held out
+  max_windows: tuple[int, ...] = ()  # per data dir: use only its first N rows (0 or absent = all; bounds the cache)
   seed: int = 0
   compute_dtype: str = "bfloat16"
   checkpoint_every_minutes: float = 5.0
@@ -305,7 +307,9 @@ def _load_rows(data_dir, cfg):
   ds, manifest = load_drafter_data(data_dir)
   target_dir, t = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=data_dir), manifest)
   rows = [(list(p) + list(c), len(p)) for p, c in zip(ds["prompt"], ds["continuation"])]
-  return rows, manifest, target_dir, t
+  i = cfg.data_dirs.index(data_dir)
+  limit = cfg.max_windows[i] if i < len(cfg.max_windows) else 0
+  return rows[:limit or None], manifest, target_dir, t
 
 
 def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
@@ -415,6 +419,7 @@ def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manif
   final = save_longspark_dir(model, out / "final", dtype=jnp.bfloat16)
   info = {
       "kind": "longspark",
+      "command": " ".join(["longspec" if sys.argv[0].endswith(("cli.py", "longspec")) else sys.argv[0]] + sys.argv[1:]),
       "block_size": cfg.block_size,
       "num_global_slots": cfg.num_global_slots,
       "raw_window": cfg.raw_window,
