@@ -172,8 +172,18 @@ def main(argv=None):
   ap.add_argument("--num-draft", type=int, default=7)
   ap.add_argument("--temperature", type=float, default=0.0)
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--out", required=True, help="output prefix (writes .json)")
+  ap.add_argument("--out", required=True, help="output prefix (writes .json, .md, .png)")
+  ap.add_argument("--combine", nargs="+", metavar="JSON",
+                  help="no runs: merge the methods of earlier result files (contexts they share) into one report")
   args = ap.parse_args(argv)
+  if args.combine:
+    parts = [json.loads(Path(f).read_text()) for f in args.combine]
+    shared = sorted(set.intersection(*(set(p["contexts"]) for p in parts)), key=int)
+    merged = dict(parts[0], command=" ; ".join(p["command"] for p in parts),
+                  contexts={c: {k: v for p in parts for k, v in p["contexts"][c].items()} for c in shared})
+    Path(args.out + ".json").write_text(json.dumps(merged, indent=1))
+    report(merged, args.out)
+    return
   overrides = {int(k): int(v) for k, v in (x.split(":") for x in args.prompts_at.split(",") if x)}
   dirs = dict(x.split("=", 1) for x in args.drafter)
   model_dir = default_target_dir()
