@@ -26,7 +26,7 @@ from inference.bench import profile_step
 from inference.generate import cache_len_for, generate, pad_prompts
 from longspec_jax import ASSETS_DIR, default_target_dir
 from longspec_jax.drafters import build_drafter
-from longspec_jax.drafters.base import PrefillResult
+from longspec_jax.drafters.base import PrefillResult, ProposeContext, state_nbytes
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.tokenizer import load_tokenizer
@@ -116,6 +116,37 @@ def run_context(model, drafters, prompts, args, sp) -> dict:
   return out
 
 
+def draft_timing(model, drafter, prompts: dict, num_draft: int, repeats: int) -> dict:
+  """Draft ms per step on real post-prefill states at several contexts, timed interleaved (round-robin over the
+  contexts, `repeats` rounds, median) so that load from other jobs hits every context alike."""
+  import statistics
+  spec, dparams = drafter.spec, drafter.params
+  graphdef, params = nnx.split(model)
+  sp = SamplingParams.make(0.0)
+  runs = {}
+  for c, prompt in prompts.items():
+    tokens, lens = pad_prompts([prompt], model.cfg.pad_token_id or 0, cache_len_for(len(prompt), 8)[0])
+    tokens, lens = jnp.asarray(tokens), jnp.asarray(lens)
+    out = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, mode="train", taps=spec.taps, return_kv=True,
+                                                      return_logits=False))(params, tokens)
+    pre = PrefillResult(prompt_tokens=tokens, tokens=tokens, prompt_lens=lens, taps=out.taps, new_kv=out.new_kv,
+                        target_cache=None)
+    state = jax.jit(spec.init_state, static_argnums=2)(dparams, pre, tokens.shape[1] + 8)
+    ctx = ProposeContext(tokens=jnp.concatenate([tokens, jnp.zeros((1, 8), jnp.int32)], 1), num_tokens=lens + 1,
+                         sampling=sp)
+    fn = jax.jit(lambda d, s, ctx: spec.propose(d, s, ctx, jax.random.key(0), num_draft, False)[0])
+    jax.block_until_ready(fn(dparams, state, ctx))
+    runs[c] = (fn, state, ctx)
+  times = {c: [] for c in runs}
+  for _ in range(repeats):
+    for c, (fn, state, ctx) in runs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(dparams, state, ctx))
+      times[c].append(1000 * (time.perf_counter() - t0))
+  return {str(c): {"draft_ms_median": statistics.median(t), "draft_ms_min": min(t),
+                   "state_bytes": state_nbytes(runs[c][1])} for c, t in times.items()}
+
+
 def report(result: dict, prefix: str) -> None:
   """<prefix>.md (table) and <prefix>.png (tau with 95% CI, draft ms per step, drafter state bytes vs context)."""
   import matplotlib
@@ -175,6 +206,8 @@ def main(argv=None):
   ap.add_argument("--out", required=True, help="output prefix (writes .json, .md, .png)")
   ap.add_argument("--combine", nargs="+", metavar="JSON",
                   help="no runs: merge the methods of earlier result files (contexts they share) into one report")
+  ap.add_argument("--draft-timing", type=int, default=0, metavar="REPEATS",
+                  help="no runs: interleaved draft timing of the first method at --contexts (first prompt each)")
   args = ap.parse_args(argv)
   if args.combine:
     parts = [json.loads(Path(f).read_text()) for f in args.combine]
@@ -190,6 +223,16 @@ def main(argv=None):
   model, tok = load_model_dir(model_dir), load_tokenizer(model_dir)
   docs = [tok.encode(p.read_text()).ids for p in sorted(DOCS_DIR.glob("*.txt"))]
   drafters = {m: build_drafter(m, model, dirs.get(m)) for m in args.methods}
+  if args.draft_timing:
+    m = args.methods[0]
+    prompts = {c: cut_prompts(docs, c, 1, model.cfg.bos_token_id)[0]["ids"] for c in args.contexts}
+    res = {"command": "python scripts/bench_longspark.py " + " ".join(argv or __import__("sys").argv[1:]),
+           "method": m, "num_draft": args.num_draft,
+           "contexts": draft_timing(model, drafters[m], prompts, args.num_draft, args.draft_timing)}
+    Path(args.out + ".json").parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    return
   sp = SamplingParams.make(args.temperature)
   out_path = Path(args.out + ".json")
   out_path.parent.mkdir(parents=True, exist_ok=True)
