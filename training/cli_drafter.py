@@ -14,6 +14,7 @@ DRAFTERS = {
     "dflash": ("training.train_dflash", "DFlashTrainConfig", "train_dflash"),
     "eagle3": ("training.train_eagle3", "Eagle3TrainConfig", "train_eagle3"),
     "dels": ("training.train_dels", "DeLSTrainConfig", "train_dels"),
+    "longspark": ("training.train_longspark", "LongSparkTrainConfig", "train_longspark"),
 }
 
 

@@ -51,6 +51,11 @@ def _dels(target, drafter_dir, sharpdraft):
   return load_dels(_shipped("dels", drafter_dir), target)
 
 
+def _longspark(target, drafter_dir, sharpdraft):
+  from longspec_jax.drafters.longspark import load_longspark
+  return load_longspark(_shipped("longspark", drafter_dir), target)
+
+
 BUILDERS: dict[str, Callable] = {
     "dflash": _dflash,
     "eagle3": _eagle3,
@@ -58,6 +63,7 @@ BUILDERS: dict[str, Callable] = {
     "standalone": _standalone("classic"),
     "pard": _standalone("pard"),
     "dels": _dels,
+    "longspark": _longspark,
 }
 
 

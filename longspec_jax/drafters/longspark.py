@@ -1,0 +1,476 @@
+"""LongSpark: a block drafter whose state and step cost do not depend on the prefix length.
+
+One drafter decoder layer per selected target layer l (DFlash's evenly spaced layers). The block
+[pending token x_t, MASK x (B-1)] at positions t..t+B-1 is embedded with the target's frozen embedding plus a
+learned position embedding, concatenated with the *boundary state* (the selected layers' target outputs at the last
+committed row t-1, projected L*H -> H -> H) and mixed by a small feed-forward. In drafter layer l the block's queries
+(target RoPE at absolute positions) attend to three views, each with its own softmax, merged by log-sum-exp:
+  1. Global: G learned keys per (layer, query head), no RoPE, whose values are an online-softmax summary of ALL
+     committed target K/V rows of layer l as seen through those same keys (kept as normalised output + LSE, fp32).
+     The prompt is scanned once at prefill; after each verification only the accepted rows are merged (`merge_rows`),
+     rejected rows never touch it.
+  2. Raw: a ring buffer of the W most recent committed target K/V rows of layer l (post k-norm and RoPE), slot =
+     position mod W, filled from the rows the verify pass returns.
+  3. Local: the block's own K/V, bidirectional.
+Slot j's final hidden state goes through the target's frozen final norm and LM head and drafts x_{t+1+j}; an optional
+low-rank Markov term w2(w1[previous token]) is added sequentially across the block (previous = x_t, then the drafts).
+State per sequence: L x Hq x G x (D + 1) fp32 + L x W x Hkv x D x 2 + L x H, the same at every context length.
+
+Checkpoints use the public LongSpark tensor names (draft_state_encoder.*, parallel_shifted_input.*,
+parallel_qwen_layers.{i}.* with Qwen3 names, global16_raw256_reference.global_query_generator.learned_query
+[L, Hq, G, D], parallel_markov_head.markov_w{1,2}); config.json is a Qwen3 config plus `longspark_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax.config import ModelConfig
+from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.dflash import default_target_layer_ids, embed_tokens, head_logits, target_io
+from longspec_jax.model import DecoderLayer, Linear, RMSNorm
+from longspec_jax.rope import rope_frequencies
+from longspec_jax.sampling import processed_log_probs
+from pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention
+
+ARCHITECTURE = "LongSparkDraftModel"
+LONGSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_global_slots", "raw_window",
+                  "markov_rank")
+WEIGHTS_FILE = "model.safetensors"
+PREFILL_CHUNK = 512  # rows per step of the prefill scan over the prompt's K/V
+# Our parameter names -> the public checkpoint's (FeedForward is nn.Sequential(Linear, SiLU, Linear) there).
+_RENAMES = ((".fc_in.", ".net.0."), (".fc_out.", ".net.2."))
+
+
+@dataclasses.dataclass(frozen=True)
+class LongSparkConfig:
+  arch: ModelConfig  # the drafter's layers (one per target layer read); width, heads, vocab and RoPE = target's
+  target_layer_ids: tuple[int, ...]  # target layers whose OUTPUTS and K/V are read
+  num_target_layers: int
+  mask_token_id: int
+  block_size: int = 7  # block rows = max drafts per step (slot j predicts the token after its position)
+  num_global_slots: int = 16
+  raw_window: int = 256
+  markov_rank: int = 0  # 0 = no Markov correction
+
+  def __post_init__(self):
+    if self.block_size < 1 or self.num_global_slots < 1 or self.raw_window < 1 or self.markov_rank < 0:
+      raise ValueError(f"LongSpark needs block_size, num_global_slots, raw_window >= 1 and markov_rank >= 0, got "
+                       f"{self.block_size}, {self.num_global_slots}, {self.raw_window}, {self.markov_rank}")
+    if not self.target_layer_ids:
+      raise ValueError("LongSpark needs at least one target layer id")
+    bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+    if bad:
+      raise ValueError(f"target_layer_ids {bad} outside the target's layers [0, {self.num_target_layers})")
+    if self.arch.num_hidden_layers != len(self.target_layer_ids):
+      raise ValueError(f"LongSpark has one drafter layer per target layer read: {self.arch.num_hidden_layers} "
+                       f"layers vs {len(self.target_layer_ids)} target_layer_ids")
+    if not 0 <= self.mask_token_id < self.arch.vocab_size:
+      raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.arch.vocab_size})")
+    if self.arch.family != "qwen3":
+      raise ValueError(f"LongSpark layers are Qwen3-style; got family {self.arch.family!r}")
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    return tuple(i + 1 for i in self.target_layer_ids)  # tap i = output of layer i-1
+
+  def to_hf_dict(self) -> dict:
+    d = self.arch.to_hf_dict()
+    d.update(architectures=[ARCHITECTURE], num_target_layers=self.num_target_layers,
+             longspark_config={k: (list(v) if isinstance(v, tuple) else v)
+                               for k in LONGSPARK_KEYS for v in [getattr(self, k)]})
+    return d
+
+  @classmethod
+  def from_hf_dict(cls, d: dict) -> "LongSparkConfig":
+    d = dict(d)
+    archs = d.get("architectures") or []
+    if ARCHITECTURE not in archs:
+      raise ValueError(f"not a LongSpark drafter config: architectures {archs} (expected {ARCHITECTURE})")
+    extra = dict(d.pop("longspark_config", None) or {})
+    unknown = sorted(set(extra) - set(LONGSPARK_KEYS))
+    if unknown:
+      raise ValueError(f"unknown longspark_config keys {unknown}; known: {list(LONGSPARK_KEYS)}")
+    missing = [k for k in ("target_layer_ids", "mask_token_id") if extra.get(k) is None]
+    if missing:
+      raise ValueError(f"LongSpark config lacks {missing} (expected under longspark_config)")
+    ntl = d.pop("num_target_layers", None)
+    if ntl is None:
+      raise ValueError("LongSpark config lacks num_target_layers")
+    d.setdefault("mask_token_id", extra["mask_token_id"])
+    kw = {k: int(extra[k]) for k in ("block_size", "num_global_slots", "raw_window", "markov_rank") if k in extra}
+    return cls(arch=ModelConfig.from_hf_dict(d), target_layer_ids=tuple(int(i) for i in extra["target_layer_ids"]),
+               num_target_layers=int(ntl), mask_token_id=int(extra["mask_token_id"]), **kw)
+
+  def check_target(self, target: ModelConfig) -> None:
+    """The drafter reads the target's hidden states and K/V, and uses its embedding, final norm and LM head."""
+    problems = []
+    if self.num_target_layers != target.num_hidden_layers:
+      problems.append(f"trained for a {self.num_target_layers}-layer target, this one has "
+                      f"{target.num_hidden_layers}")
+    for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+      if getattr(self.arch, name) != getattr(target, name):
+        problems.append(f"{name} {getattr(self.arch, name)} vs the target's {getattr(target, name)}")
+    if problems:
+      raise ValueError("LongSpark drafter does not match the target: " + "; ".join(problems))
+
+
+def longspark_config_for(target: ModelConfig, *, num_layers: int = 5, markov_rank: int = 0,
+                         num_global_slots: int = 16, raw_window: int = 256, block_size: int = 7,
+                         **arch_overrides) -> LongSparkConfig:
+  """A LongSpark config for `target`: its width, heads, MLP width, vocabulary and RoPE; `num_layers` target layers
+  evenly spaced as in DFlash, one drafter layer each."""
+  if target.mask_token_id is None:
+    raise ValueError("the target config has no mask_token_id; LongSpark needs a reserved mask token")
+  arch = target.replace(num_hidden_layers=num_layers, family="qwen3", tie_word_embeddings=True,
+                        attention_bias=False, mlp_bias=False, **arch_overrides)
+  return LongSparkConfig(arch=arch, target_layer_ids=default_target_layer_ids(target.num_hidden_layers, num_layers),
+                         num_target_layers=target.num_hidden_layers, mask_token_id=target.mask_token_id,
+                         block_size=block_size, num_global_slots=num_global_slots, raw_window=raw_window,
+                         markov_rank=markov_rank)
+
+
+class FeedForward(nnx.Module):
+  """Linear -> SiLU -> Linear, bias-free."""
+
+  def __init__(self, din, dhidden, dout, *, rngs):
+    self.fc_in = Linear(din, dhidden, ("embed", "mlp"), rngs=rngs)
+    self.fc_out = Linear(dhidden, dout, ("mlp", "embed"), rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc_out(jax.nn.silu(self.fc_in(x)))
+
+
+class StateEncoder(nnx.Module):
+  def __init__(self, num_layers, h, eps, *, rngs):
+    self.proj = FeedForward(num_layers * h, h, h, rngs=rngs)
+    self.norm = RMSNorm(h, eps, rngs=rngs)
+
+  def __call__(self, hidden):
+    """hidden [..., L, H] (the selected layers' outputs at the last committed row) -> boundary state [..., H]."""
+    return self.norm(self.proj(hidden.reshape(hidden.shape[:-2] + (-1,))))
+
+
+class ShiftedInput(nnx.Module):
+  def __init__(self, h, block_size, eps, *, rngs):
+    self.position_embedding = nnx.Embed(block_size, h, rngs=rngs, embedding_init=nnx.initializers.normal(0.02))
+    self.proj = FeedForward(2 * h, h, h, rngs=rngs)
+    self.norm = RMSNorm(h, eps, rngs=rngs)
+
+  def __call__(self, token_states, boundary):
+    """token_states [..., B_s, H] (embedded block), boundary [..., H] -> block input [..., B_s, H]."""
+    x = token_states + self.position_embedding.embedding[...].astype(token_states.dtype)
+    b = jnp.broadcast_to(boundary[..., None, :], x.shape).astype(x.dtype)
+    return self.norm(self.proj(jnp.concatenate([x, b], -1)))
+
+
+class MarkovHead(nnx.Module):
+  def __init__(self, vocab, rank, *, rngs):
+    self.markov_w1 = nnx.Embed(vocab, rank, rngs=rngs, embedding_init=nnx.initializers.normal(0.02))
+    self.markov_w2 = Linear(rank, vocab, ("mlp", "vocab"), rngs=rngs, std=0.0)  # starts as no correction
+
+  def __call__(self, prev):
+    """prev [...] token ids -> fp32 logit bias [..., V]."""
+    return self.markov_w2(self.markov_w1.embedding[...][prev]).astype(jnp.float32)
+
+
+class SlotKeys(nnx.Module):
+  def __init__(self, n, hq, slots, d, *, rngs):
+    # G ~ N(0, D^-1/2) as in the public code: slot scores G.k / sqrt(D) start at unit scale.
+    self.learned_query = nnx.Param(jax.random.normal(rngs.params(), (n, hq, slots, d)) * d ** -0.25,
+                                   logical_axes=(None, "q_heads", None, "head_dim"))
+
+
+class GlobalSlots(nnx.Module):
+  """Holds the learned slot keys under the public checkpoint's module path."""
+
+  def __init__(self, n, hq, slots, d, *, rngs):
+    self.global_query_generator = SlotKeys(n, hq, slots, d, rngs=rngs)
+
+
+class LongSparkModel(nnx.Module):
+  def __init__(self, cfg: LongSparkConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    a = cfg.arch
+    h, n = a.hidden_size, len(cfg.target_layer_ids)
+    self.draft_state_encoder = StateEncoder(n, h, a.rms_norm_eps, rngs=rngs)
+    self.parallel_shifted_input = ShiftedInput(h, cfg.block_size, a.rms_norm_eps, rngs=rngs)
+    self.parallel_qwen_layers = nnx.List([DecoderLayer(a, rngs=rngs) for _ in range(n)])
+    self.global16_raw256_reference = GlobalSlots(n, a.num_attention_heads, cfg.num_global_slots, a.head_dim,
+                                                 rngs=rngs)
+    self.parallel_markov_head = MarkovHead(a.vocab_size, cfg.markov_rank, rngs=rngs) if cfg.markov_rank else None
+    self.cfg = cfg
+    self.dtype = dtype
+
+  @property
+  def learned_query(self):
+    """The Global slot keys [L, Hq, G, D]."""
+    return self.global16_raw256_reference.global_query_generator.learned_query
+
+  def slot_scores(self, k):
+    """Target keys k [L, ..., R, Hkv, D] -> fp32 slot logits [..., L, Hkv, g, G, R] (1/sqrt(D) applied)."""
+    a = self.cfg.arch
+    hkv, g = a.num_key_value_heads, a.q_per_kv
+    gq = self.learned_query[...].astype(jnp.float32).reshape(k.shape[0], hkv, g, self.cfg.num_global_slots, -1)
+    s = jnp.einsum("lkgsd,l...rkd->...lkgsr", gq, k.astype(jnp.float32))
+    return s * a.head_dim ** -0.5
+
+  def block_input(self, io, pending, boundary_hidden):
+    """pending [...] token ids, boundary_hidden [..., L, H] -> the embedded block [..., B_s, H]."""
+    cfg = self.cfg
+    toks = jnp.concatenate([pending[..., None], jnp.full(pending.shape + (cfg.block_size - 1,), cfg.mask_token_id,
+                                                         jnp.int32)], -1)
+    boundary = self.draft_state_encoder(boundary_hidden.astype(self.dtype))
+    return self.parallel_shifted_input(embed_tokens(io, toks, self.dtype), boundary)
+
+  def block_hidden(self, x, positions, attend):
+    """x [B, T, H] at positions [B, T]; attend(layer, q, k, v) -> [B, T, Hq, D] merges the three views."""
+    rope = rope_frequencies(self.cfg.arch, jnp.max(positions))
+    for li, layer in enumerate(self.parallel_qwen_layers):
+      q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, rope)
+      x = x + layer.self_attn.out(attend(li, q, k, v))
+      x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x
+
+  def markov_bias(self, prev):
+    return self.parallel_markov_head(prev) if self.parallel_markov_head is not None else 0.0
+
+
+def merge_rows(out, lse, scores, values, valid):
+  """Online-softmax merge of R new rows into per-slot summaries (exact; rows with valid=False contribute nothing).
+
+  out [..., S, D] fp32: normalised weighted value sums; lse [..., S] fp32 (-inf = empty); scores [..., S, R] fp32
+  (slot-key logits of the new rows); values [..., R, D]; valid broadcastable to [..., R]. Returns (out, lse) over the
+  union of the old and new rows. With no valid row the result is bit-identical to the input (z = 1)."""
+  s = jnp.where(valid[..., None, :], scores, -jnp.inf)
+  m = jnp.maximum(lse, jnp.max(s, axis=-1, initial=-jnp.inf))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w_old = jnp.exp(lse - m)
+  p = jnp.exp(s - m[..., None])
+  z = w_old + jnp.sum(p, axis=-1)
+  acc = out * w_old[..., None] + jnp.einsum("...sr,...rd->...sd", p, values.astype(jnp.float32))
+  nonempty = z > 0
+  z_safe = jnp.where(nonempty, z, 1.0)
+  return acc / z_safe[..., None], jnp.where(nonempty, m + jnp.log(z_safe), -jnp.inf)
+
+
+@flax.struct.dataclass
+class LongSparkState:
+  g_out: jax.Array  # [B, L, Hkv, g, G, D] fp32 Global slot values (normalised), query head h = (h // g, h % g)
+  g_lse: jax.Array  # [B, L, Hkv, g, G] fp32 their log normalisers
+  ring_k: jax.Array  # [L, B, W, Hkv, D] target K rows, slot = position mod W
+  ring_v: jax.Array
+  hidden: jax.Array  # [B, L, H] selected layers' target outputs at the last committed row
+  length: jax.Array  # [B] committed rows (= position of the pending token)
+
+
+@dataclasses.dataclass(frozen=True)
+class LongSparkDrafter:
+  graphdef: nnx.GraphDef
+  cfg: LongSparkConfig
+  name: str = "longspark"
+  needs_target_kv: bool = True
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    return self.cfg.taps
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.arch.vocab_size
+
+  def _model(self, params) -> LongSparkModel:
+    return nnx.merge(self.graphdef, params["drafter"])
+
+  def _layer_kv(self, new_kv):
+    ids = jnp.asarray(self.cfg.target_layer_ids)
+    return new_kv[0][ids], new_kv[1][ids]
+
+  def init_state(self, params, prefill, max_len):
+    del max_len  # the state does not grow
+    model, cfg = self._model(params), self.cfg
+    a = cfg.arch
+    k, v = self._layer_kv(prefill.new_kv)  # [L, B, T, Hkv, D]
+    n, b, t = k.shape[:3]
+    lens = prefill.prompt_lens.astype(jnp.int32)
+    # Global: one scan over the prompt's rows in chunks, merged online.
+    c = min(PREFILL_CHUNK, t)
+    pad = -t % c
+    kp, vp = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
+    nc = (t + pad) // c
+    chunks = lambda x: jnp.moveaxis(x.reshape(n, b, nc, c, *x.shape[3:]), 2, 0)  # [nc, L, B, c, Hkv, D]
+
+    def step(carry, xs):
+      kc, vc, i = xs
+      vals = vc.transpose(1, 0, 3, 2, 4)[:, :, :, None]  # [B, L, Hkv, 1, c, D]
+      valid = (i * c + jnp.arange(c)[None, :] < lens[:, None])[:, None, None, None, :]
+      return merge_rows(*carry, model.slot_scores(kc), vals, valid), None
+
+    shape = (b, n, a.num_key_value_heads, a.q_per_kv, cfg.num_global_slots)
+    init = (jnp.zeros(shape + (a.head_dim,), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
+    (g_out, g_lse), _ = jax.lax.scan(step, init, (chunks(kp), chunks(vp), jnp.arange(nc)))
+    # Raw: slot i holds the newest prompt position p < P with p = i (mod W).
+    w = cfg.raw_window
+    p = (lens[:, None] - 1) - jnp.mod(lens[:, None] - 1 - jnp.arange(w)[None, :], w)  # [B, W]
+    src = jnp.clip(p, 0, t - 1)
+    keep = (p >= 0)[None, :, :, None, None]
+    gather = lambda x: jnp.where(keep, jnp.take_along_axis(x, src[None, :, :, None, None], axis=2), 0)
+    hidden = jnp.take_along_axis(prefill.taps, (lens - 1)[:, None, None, None], axis=1)[:, 0]
+    return LongSparkState(g_out=g_out, g_lse=g_lse, ring_k=gather(k).astype(model.dtype),
+                          ring_v=gather(v).astype(model.dtype), hidden=hidden.astype(jnp.float32), length=lens)
+
+  def block_logits(self, params, state: LongSparkState, pending, record=None):
+    """Base logits [B, B_s, V] (before the Markov term) of the block anchored at `pending` (position length).
+    `record`, a list, receives per layer the [B, B_s, Hq, 3] attention mass on (Global, Raw, Local)."""
+    model, cfg = self._model(params), self.cfg
+    a = cfg.arch
+    b = pending.shape[0]
+    bs, gs = cfg.block_size, cfg.num_global_slots
+    pos = state.length[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
+    raw_len = jnp.minimum(state.length, cfg.raw_window)
+    g_keys = model.learned_query[...].transpose(0, 2, 1, 3)  # [L, G, Hq, D]
+    g_vals = state.g_out.reshape(b, -1, a.num_attention_heads, gs, a.head_dim).transpose(1, 0, 3, 2, 4)
+
+    def attend(li, q, k, v):
+      o_g, l_g = query_scaled_attention(q, jnp.broadcast_to(g_keys[li], (b,) + g_keys.shape[1:]).astype(q.dtype),
+                                        g_vals[li].astype(q.dtype), jnp.full((b,), gs, jnp.int32))
+      o_r, l_r = query_scaled_attention(q, state.ring_k[li].astype(q.dtype), state.ring_v[li].astype(q.dtype),
+                                        raw_len)
+      o_b, l_b = query_scaled_attention(q, k, v, jnp.full((b,), bs, jnp.int32))
+      out, lse = merge_attention_views([o_g, o_r, o_b], [l_g, l_r, l_b])
+      if record is not None:
+        record.append(jnp.exp(jnp.stack([l_g, l_r, l_b], -1) - lse[..., None]))
+      return out
+
+    x = model.block_input(params["io"], pending, state.hidden)
+    h = model.block_hidden(x, pos, attend)
+    return head_logits(params["io"], _final_norm(params["io"], h))
+
+  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+    bs = self.cfg.block_size
+    if not 1 <= num_draft <= bs:
+      raise ValueError(f"num_draft_tokens {num_draft} is outside [1, {bs}] for a LongSpark block of {bs}")
+    pending = jnp.take_along_axis(ctx.tokens, (ctx.num_tokens - 1)[:, None], axis=1)[:, 0]
+    base = self.block_logits(params, state, pending)[:, :num_draft]
+    model = self._model(params)
+    if model.parallel_markov_head is None:
+      if not sample:
+        return jnp.argmax(base, -1).astype(jnp.int32), None, state
+      logq = processed_log_probs(base, ctx.sampling)  # slots independent: each draft is a draw from its own q
+      return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32), jnp.exp(logq), state
+
+    # Markov: slot j's logits depend on the token drafted at slot j-1, so the block is decoded left to right and
+    # q_j is the distribution draft j was actually drawn from.
+    def step(prev, xs):
+      logits, j = xs
+      logits = logits + model.markov_bias(prev)
+      if sample:
+        logq = processed_log_probs(logits, ctx.sampling)
+        tok = jax.random.categorical(jax.random.fold_in(key, j), logq, axis=-1).astype(jnp.int32)
+        return tok, (tok, jnp.exp(logq))
+      tok = jnp.argmax(logits, -1).astype(jnp.int32)
+      return tok, (tok, None)
+
+    _, (drafts, probs) = jax.lax.scan(step, pending, (jnp.moveaxis(base, 1, 0), jnp.arange(num_draft)))
+    return drafts.T, (jnp.moveaxis(probs, 0, 1) if sample else None), state
+
+  def update(self, params, state, verify):
+    """Merges the committed rows (pending + accepted drafts) of the verify pass; the rest never enter."""
+    model, cfg = self._model(params), self.cfg
+    k, v = self._layer_kv(verify.new_kv)  # [L, B, K+1, Hkv, D]
+    b, k1 = k.shape[1:3]
+    n = verify.num_committed.astype(jnp.int32)
+    valid = jnp.arange(k1)[None, :] < n[:, None]  # [B, K+1]
+    vals = v.transpose(1, 0, 3, 2, 4)[:, :, :, None]  # [B, L, Hkv, 1, K+1, D]
+    g_out, g_lse = merge_rows(state.g_out, state.g_lse, model.slot_scores(k), vals,
+                              valid[:, None, None, None, :])
+    slot = jnp.where(valid, jnp.mod(verify.start[:, None] + jnp.arange(k1)[None, :], cfg.raw_window),
+                     cfg.raw_window)  # uncommitted rows are dropped
+    rows = jnp.arange(b)[:, None]
+    ring_k = state.ring_k.at[:, rows, slot].set(k.astype(state.ring_k.dtype), mode="drop")
+    ring_v = state.ring_v.at[:, rows, slot].set(v.astype(state.ring_v.dtype), mode="drop")
+    last = jnp.take_along_axis(verify.taps, jnp.maximum(n - 1, 0)[:, None, None, None], axis=1)[:, 0]
+    hidden = jnp.where((n > 0)[:, None, None], last.astype(jnp.float32), state.hidden)
+    return LongSparkState(g_out=g_out, g_lse=g_lse, ring_k=ring_k, ring_v=ring_v, hidden=hidden,
+                          length=(verify.num_tokens - 1).astype(jnp.int32))
+
+
+def _final_norm(io, h):
+  """The target's frozen final RMSNorm (the drafter has none of its own)."""
+  x32 = h.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + io["norm_eps"])
+  return (io["norm"].astype(jnp.float32) * y).astype(h.dtype)
+
+
+def longspark_io(target) -> dict:
+  """The target's frozen parts the drafter reads: embedding, LM head (when untied) and final norm."""
+  return dict(target_io(target), norm=target.norm.scale[...], norm_eps=jnp.float32(target.norm.eps))
+
+
+def longspark_from_model(model: LongSparkModel, target) -> LoadedDrafter:
+  model.cfg.check_target(target.cfg)
+  graphdef, state = nnx.split(model)
+  return LoadedDrafter(LongSparkDrafter(graphdef=graphdef, cfg=model.cfg),
+                       {"drafter": state, "io": longspark_io(target)})
+
+
+def create_longspark(cfg: LongSparkConfig, seed: int = 0, dtype=jnp.float32) -> LongSparkModel:
+  return LongSparkModel(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+
+
+def _public_name(name: str) -> str:
+  for ours, theirs in _RENAMES:
+    name = name.replace(ours, theirs)
+  return name
+
+
+def save_longspark_dir(model: LongSparkModel, out_dir, dtype=np.float32) -> Path:
+  """config.json + model.safetensors with the public LongSpark tensor names (torch [out, in] layout)."""
+  from safetensors.numpy import save_file
+
+  from longspec_jax.hf_io import to_hf_tensors
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  cfg = model.cfg.to_hf_dict()
+  cfg["torch_dtype"] = "bfloat16" if dtype == jnp.bfloat16 else np.dtype(dtype).name
+  (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+  tensors = {_public_name(k): v for k, v in to_hf_tensors(model, np.float32, prefix="").items()}
+  if dtype != np.float32:
+    tensors = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in tensors.items()}
+  save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+  return out_dir
+
+
+def load_longspark_model(drafter_dir, dtype=jnp.float32) -> LongSparkModel:
+  from longspec_jax.hf_io import _read_tensors, load_params_into
+  drafter_dir = Path(drafter_dir)
+  path = drafter_dir / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"no LongSpark config at {path}")
+  try:
+    cfg = LongSparkConfig.from_hf_dict(json.loads(path.read_text()))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"corrupt config file {path}: {e}") from e
+  model = nnx.eval_shape(lambda: LongSparkModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+  graphdef, abstract = nnx.split(model)
+  model = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract))
+  theirs = _read_tensors(drafter_dir)
+  ours = {}
+  for name in theirs:
+    mine = name
+    for o, t in _RENAMES:
+      mine = mine.replace(t, o)
+    ours[mine] = theirs[name]
+  return load_params_into(model, ours, where=f" {drafter_dir}", prefix="")
+
+
+def load_longspark(drafter_dir, target) -> LoadedDrafter:
+  """A LongSpark drafter directory (our export or the public layout) for `target`."""
+  return longspark_from_model(load_longspark_model(drafter_dir), target)

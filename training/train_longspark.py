@@ -1,0 +1,446 @@
+"""`longspec train-drafter --drafter longspark`: the LongSpark drafter on the target's own long generations.
+
+The frozen target forward over a 2-4K window is by far the most expensive part on a CPU and never changes, so it
+runs once per window (`build_feature_cache`): the selected layers' K/V for every row and their outputs (the boundary
+taps) for the continuation rows are written to a float16 memmap cache, and training reads batches from it.
+
+Per window, A anchors a are drawn in the target's continuation (from the last prompt token on): the block is
+[x_a, MASK x (B_s-1)] at positions a..a+B_s-1 and slot j predicts x_{a+1+j} (weight exp(-j/gamma)). Each anchor
+sees exactly what inference would show it after committing rows < a:
+  * boundary = the selected layers' outputs at row a-1;
+  * Global = the online-softmax summary of rows < a through the learned slot keys: the rows before the window's
+    tail (shared by all anchors) are summarised once, then each anchor merges the tail rows below it (`merge_rows`,
+    the function inference uses) -- the same numbers as a cumulative log-sum-exp, gradients reach the slot keys;
+  * Raw = rows [a-W, a) of a K/V slab around the tail; Local = the anchor's own block.
+The Markov term is teacher-forced: slot j's previous token is x_{a+j}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax import sharding as shd
+from longspec_jax.attention import masked_attention
+from longspec_jax.drafters.dflash import head_logits
+from longspec_jax.drafters.longspark import (LongSparkModel, _final_norm, create_longspark, longspark_config_for,
+                                             longspark_io, merge_rows, save_longspark_dir)
+from longspec_jax.hf_io import load_model_dir
+from longspec_jax.model import param_count
+from longspec_jax.rope import apply_rope, rope_frequencies
+from pallas_kernels.query_scaled_attention import merge_attention_views
+from training.drafter_data import load_drafter_data, target_name, weights_sha256
+from training.losses import cross_entropy
+from training.train_drafter import _target_config
+from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+
+CACHE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LongSparkTrainConfig:
+  data_dirs: tuple[str, ...] = ("runs/drafter_data_long",)
+  cache_dir: str = "runs/longspark_cache"  # frozen-target features, one memmap set per data dir
+  target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
+  out_dir: str = "runs/drafter_longspark"
+  num_layers: int = 5  # = target layers read, evenly spaced as in DFlash
+  block_size: int = 7
+  num_global_slots: int = 16
+  raw_window: int = 256
+  markov_rank: int = 64
+  anchors_per_window: int = 32
+  gamma: float = 4.0  # slot-weight decay exp(-j/gamma), j = 0..B_s-1
+  batch_size: int = 4
+  steps: int = 1000
+  optim: OptimConfig = OptimConfig(lr=2e-3, warmup_steps=50)
+  val_windows: int = 8  # whole windows of the first data dir held out
+  max_windows: tuple[int, ...] = ()  # per data dir: use only its first N rows (0 or absent = all; bounds the cache)
+  seed: int = 0
+  compute_dtype: str = "bfloat16"
+  checkpoint_every_minutes: float = 5.0
+  log_every: int = 10
+  mesh_data: int = 0  # 0 = all devices
+  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
+  # >0: half the windows are moved to a random start in [0, position_shift_max - length] (see _shift_window).
+  position_shift_max: int = 0
+
+  def __post_init__(self):
+    for name in ("num_layers", "block_size", "num_global_slots", "raw_window", "anchors_per_window",
+                 "batch_size", "steps"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.gamma <= 0 or self.markov_rank < 0 or self.val_windows < 0:
+      raise ValueError(f"need gamma > 0, markov_rank >= 0, val_windows >= 0, got {self.gamma}, "
+                       f"{self.markov_rank}, {self.val_windows}")
+    if not self.data_dirs:
+      raise ValueError("data_dirs is empty")
+
+
+# ---------------------------------------------------------------- the training forward (shared with the tests)
+
+def anchor_summaries(model: LongSparkModel, pre_k, pre_v, pre_len, slab_k, slab_v, slab_pos, anchors):
+  """Global slot summaries of rows < anchor, per anchor: g_out [B, A, L, Hkv, g, G, D] fp32.
+
+  pre_k/v [L, B, Cp, Hkv, D]: window rows 0..Cp-1, of which rows < pre_len [B] are summarised once for all anchors;
+  slab_k/v [L, B, S, Hkv, D] at absolute positions slab_pos [B, S] (-1 = none): each anchor merges its rows in
+  [pre_len, a)."""
+  a = model.cfg.arch
+  b, n = pre_k.shape[1], pre_k.shape[0]
+  shape = (b, n, a.num_key_value_heads, a.q_per_kv, model.cfg.num_global_slots)
+  empty = (jnp.zeros(shape + (a.head_dim,), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
+  pre_valid = (jnp.arange(pre_k.shape[2])[None, :] < pre_len[:, None])[:, None, None, None, :]
+  out, lse = merge_rows(*empty, model.slot_scores(pre_k), pre_v.transpose(1, 0, 3, 2, 4)[:, :, :, None], pre_valid)
+  tail = (slab_pos[:, None, :] >= pre_len[:, None, None]) & (slab_pos[:, None, :] < anchors[:, :, None])  # [B,A,S]
+  out, _ = merge_rows(out[:, None], lse[:, None], model.slot_scores(slab_k)[:, None],
+                      slab_v.transpose(1, 0, 3, 2, 4)[:, None, :, :, None], tail[:, :, None, None, None, :])
+  return out
+
+
+def longspark_train_logits(model: LongSparkModel, io, boundary, anchors, g_out, slab_k, slab_v, slab_pos, prev,
+                           shift=None):
+  """Logits [B, A, B_s, V] (Markov term included, teacher-forced on prev [B, A, B_s]; prev[..., 0] is the block's
+  pending token x_a) of every anchor's block. boundary [B, A, L, H]: the selected layers' outputs at row a-1;
+  g_out from `anchor_summaries`; slab as there. shift [B]: RoPE positions of the block are anchors + shift (the
+  target keys must have been rotated by the same shift, `_shift_window`)."""
+  cfg = model.cfg
+  a_cfg = cfg.arch
+  b, na = anchors.shape
+  bs, hq, d, gs = cfg.block_size, a_cfg.num_attention_heads, a_cfg.head_dim, cfg.num_global_slots
+  x = model.block_input(io, prev[..., 0], boundary).reshape(b, na * bs, -1)
+  pos = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, na * bs)
+  if shift is not None:
+    pos = pos + shift[:, None]
+  q_anchor = jnp.repeat(anchors, bs, axis=1)
+  sp = slab_pos[:, None, :]
+  raw_visible = (sp >= 0) & (sp < q_anchor[:, :, None]) & (sp >= q_anchor[:, :, None] - cfg.raw_window)
+  group = jnp.repeat(jnp.arange(na), bs)
+  local_visible = jnp.broadcast_to(group[:, None] == group[None, :], (b, na * bs, na * bs))
+  g_vals = g_out.reshape(b, na, -1, hq, gs, d)  # [B, A, L, Hq, G, D]
+
+  def attend(li, q, k, v):
+    qa = q.reshape(b, na, bs, hq, d)
+    lg = jnp.einsum("bajhd,hsd->bajhs", qa, model.learned_query[...][li].astype(q.dtype),
+                    preferred_element_type=jnp.float32) * d ** -0.5
+    l_g = jax.nn.logsumexp(lg, axis=-1)
+    o_g = jnp.einsum("bajhs,bahsd->bajhd", jnp.exp(lg - l_g[..., None]), g_vals[:, :, li])
+    o_r, l_r = masked_attention(q, slab_k[li].astype(q.dtype), slab_v[li].astype(q.dtype), raw_visible,
+                                return_lse=True)
+    o_b, l_b = masked_attention(q, k, v, local_visible, return_lse=True)
+    o_g = o_g.reshape(b, na * bs, hq, d).astype(q.dtype)
+    return merge_attention_views([o_g, o_r, o_b], [l_g.reshape(b, na * bs, hq), l_r, l_b])[0]
+
+  h = model.block_hidden(x, pos, attend)
+  logits = head_logits(io, _final_norm(io, h)).reshape(b, na, bs, -1)
+  return logits + model.markov_bias(prev)
+
+
+def _summaries(model, batch):
+  # The slab's first W rows lie before pre_len (see AnchorSampler): only the rows after them can enter the Global
+  # summaries of the anchors, so the per-anchor merge skips them.
+  w = model.cfg.raw_window
+  return anchor_summaries(model, batch["pre_k"], batch["pre_v"], batch["pre_len"], batch["slab_k"][:, :, w:],
+                          batch["slab_v"][:, :, w:], batch["slab_pos"][:, w:], batch["anchors"])
+
+
+def _shift_window(model, batch):
+  """Moves every window to positions + shift [B]. The target's only position signal is RoPE, so the same text at
+  later positions has the same hidden states and its keys rotated by R(shift) (RoPE rotations compose): this
+  shows the drafter its one absolute-position-dependent score, block query . Global key (no RoPE on the keys), at
+  positions beyond the window lengths, without long target forwards."""
+  inv_freq, _ = rope_frequencies(model.cfg.arch, jnp.max(batch["shift"]))
+
+  def rotate(k):  # [L, B, R, Hkv, D]
+    n, b, r = k.shape[:3]
+    flat = k.transpose(1, 0, 2, 3, 4).reshape(b, n * r, *k.shape[3:])
+    pos = jnp.broadcast_to(batch["shift"][:, None], (b, n * r))
+    return apply_rope(flat.astype(jnp.float32), pos, inv_freq, 1.0).reshape(b, n, r, *k.shape[3:]).transpose(
+        1, 0, 2, 3, 4)
+  return dict(batch, pre_k=rotate(batch["pre_k"]), slab_k=rotate(batch["slab_k"]))
+
+
+def longspark_loss(model, batch):
+  if "shift" in batch:
+    batch = _shift_window(model, batch)
+  g_out = _summaries(model, batch)
+  logits = longspark_train_logits(model, batch["io"], batch["boundary"], batch["anchors"], g_out, batch["slab_k"],
+                                  batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))
+  loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
+  hit = (jnp.argmax(logits, -1) == batch["labels"]) & (batch["label_w"] > 0)
+  return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(batch["label_w"][..., 0] > 0), 1)}
+
+
+# ---------------------------------------------------------------- the frozen-target feature cache
+
+class FeatureCache:
+  """Per data dir: kv.f16 [rows, L, 2, Hkv, D] (every row of every window), taps.f16 [rows, L, H] (rows from
+  tail_start = prompt_len - 2 on), tokens, and an index. Built once (resumable: windows are appended in order and
+  the index records how many are complete)."""
+
+  def __init__(self, cache_dir: Path, rows, target, layer_ids, weights_id: str):
+    self.dir = Path(cache_dir)
+    self.rows = rows  # [(tokens, prompt_len)]
+    a = target.cfg
+    self.n, self.hkv, self.d, self.h = len(layer_ids), a.num_key_value_heads, a.head_dim, a.hidden_size
+    self.lens = np.asarray([len(r) for r, _ in rows])
+    self.tail_start = np.asarray([max(p - 2, 0) for _, p in rows])
+    self.kv_off = np.concatenate([[0], np.cumsum(self.lens)])
+    self.tap_off = np.concatenate([[0], np.cumsum(self.lens - self.tail_start)])
+    meta = {"version": CACHE_VERSION, "layer_ids": list(layer_ids), "lens": self.lens.tolist(),
+            "prompt_lens": [p for _, p in rows], "weights": weights_id}
+    self._build(target, layer_ids, meta)
+    self.kv = np.memmap(self.dir / "kv.f16", np.float16, "r", shape=(int(self.kv_off[-1]), self.n, 2, self.hkv,
+                                                                      self.d))
+    self.taps = np.memmap(self.dir / "taps.f16", np.float16, "r", shape=(int(self.tap_off[-1]), self.n, self.h))
+
+  def _build(self, target, layer_ids, meta):
+    self.dir.mkdir(parents=True, exist_ok=True)
+    index = self.dir / "index.json"
+    done = 0
+    if index.exists():
+      old = json.loads(index.read_text())
+      if old["meta"] != meta:
+        raise ValueError(f"feature cache {self.dir} was built for other data, layers or target weights; delete it")
+      done = old["done"]
+    if done == len(self.rows):
+      return
+    from tqdm.auto import tqdm
+    mode = "r+" if done else "w+"
+    kv = np.memmap(self.dir / "kv.f16", np.float16, mode, shape=(int(self.kv_off[-1]), self.n, 2, self.hkv, self.d))
+    taps = np.memmap(self.dir / "taps.f16", np.float16, mode, shape=(int(self.tap_off[-1]), self.n, self.h))
+    graphdef, params = nnx.split(target)
+    ids = jnp.asarray(layer_ids)
+    tap_idx = tuple(i + 1 for i in layer_ids)
+
+    @jax.jit
+    def forward(p, tokens):
+      out = nnx.merge(graphdef, p)(tokens, mode="train", taps=tap_idx, return_kv=True, return_logits=False)
+      k, v = out.new_kv
+      return jnp.stack([k[ids][:, 0], v[ids][:, 0]], 1).transpose(2, 0, 1, 3, 4), out.taps[0]  # [T, L, 2, Hkv, D]
+
+    for i in tqdm(range(done, len(self.rows)), desc="longspark feature cache", initial=done, total=len(self.rows)):
+      toks, _ = self.rows[i]
+      t = len(toks)
+      bucket = -(-t // 256) * 256  # causal: padding after the window changes no row of it
+      kvw, tapw = forward(params, jnp.asarray([list(toks) + [0] * (bucket - t)], jnp.int32))
+      kv[self.kv_off[i]:self.kv_off[i + 1]] = np.asarray(kvw[:t], np.float16)
+      taps[self.tap_off[i]:self.tap_off[i + 1]] = np.asarray(tapw[self.tail_start[i]:t], np.float16)
+      if (i + 1) % 8 == 0 or i + 1 == len(self.rows):
+        kv.flush()
+        taps.flush()
+        index.write_text(json.dumps({"meta": meta, "done": i + 1}))
+
+  def window_kv(self, i, lo, hi):
+    """K/V rows [lo, hi) of window i as [L, rows, Hkv, D] each (rows outside the window are zero)."""
+    out = np.zeros((hi - lo, self.n, 2, self.hkv, self.d), np.float32)
+    a, b = max(lo, 0), min(hi, int(self.lens[i]))
+    if b > a:
+      out[a - lo:b - lo] = self.kv[self.kv_off[i] + a:self.kv_off[i] + b]
+    return out[:, :, 0].transpose(1, 0, 2, 3), out[:, :, 1].transpose(1, 0, 2, 3)
+
+  def boundary(self, i, rows):
+    return np.asarray(self.taps[self.tap_off[i] + rows - self.tail_start[i]], np.float32)
+
+
+class AnchorSampler:
+  """Batches of windows from one cache; the batch for step s is a pure function of (seed, s), so a resumed run
+  replays the same batches. Shapes are fixed per cache (prefix rows Cp, slab rows) so the step compiles once.
+  A window's prefix is rows [0, tail_start); its slab is rows [tail_start - W, end), so the slab's first W rows
+  are prefix rows (Raw only) and the rest are the tail the anchors live in."""
+
+  def __init__(self, cache: FeatureCache, windows, cfg: LongSparkTrainConfig, seed: int):
+    self.c, self.windows, self.cfg, self.seed = cache, np.asarray(windows), cfg, seed
+    w = cfg.raw_window
+    self.cp = int(-(-max(cache.tail_start[windows].max(), 1) // 128) * 128)
+    self.slab = int(-(-(w + (cache.lens - cache.tail_start)[windows].max()) // 8) * 8)
+    self.slot_weight = np.exp(-np.arange(cfg.block_size) / cfg.gamma).astype(np.float32)
+
+  def window_batch(self, wins, anchors) -> dict:
+    cfg, c = self.cfg, self.c
+    bs, w = cfg.block_size, cfg.raw_window
+    parts = {k: [] for k in ("pre_k", "pre_v", "slab_k", "slab_v", "slab_pos", "boundary", "prev", "labels",
+                             "label_w")}
+    for i, anc in zip(wins, anchors):
+      s, t = int(c.tail_start[i]), int(c.lens[i])
+      toks = np.asarray(c.rows[i][0], np.int32)
+      pk, pv = c.window_kv(i, 0, self.cp)
+      lo = s - w
+      sk, sv = c.window_kv(i, lo, lo + self.slab)
+      pos = lo + np.arange(self.slab)
+      parts["pre_k"].append(pk), parts["pre_v"].append(pv), parts["slab_k"].append(sk), parts["slab_v"].append(sv)
+      parts["slab_pos"].append(np.where((pos >= 0) & (pos < t), pos, -1))
+      parts["boundary"].append(c.boundary(i, anc - 1))
+      tgt = anc[:, None] + np.arange(bs + 1)[None, :]  # x_a .. x_{a+B_s}
+      seq = toks[np.minimum(tgt, t - 1)]
+      parts["prev"].append(seq[:, :-1])
+      parts["labels"].append(seq[:, 1:])
+      parts["label_w"].append((tgt[:, 1:] < t) * self.slot_weight[None, :])
+    out = {k: np.stack(v, 1 if k in ("pre_k", "pre_v", "slab_k", "slab_v") else 0) for k, v in parts.items()}
+    out["pre_len"] = c.tail_start[wins].astype(np.int32)
+    out["anchors"] = np.asarray(anchors, np.int32)
+    out["label_w"] = out["label_w"].astype(np.float32)
+    return out
+
+  def batch(self, step: int, batch_size: int) -> dict:
+    rng = np.random.default_rng([self.seed, step])
+    wins = self.windows[rng.integers(0, len(self.windows), size=batch_size)]
+    # Anchors from the last prompt token (tail_start + 1) to the second-to-last row (>= 1 label).
+    anchors = [self.c.tail_start[i] + 1 + rng.integers(0, self.c.lens[i] - 2 - self.c.tail_start[i],
+                                                        size=self.cfg.anchors_per_window) for i in wins]
+    out = self.window_batch(wins, anchors)
+    if self.cfg.position_shift_max:
+      room = np.maximum(self.cfg.position_shift_max - self.c.lens[wins], 0)
+      shift = (rng.random(len(wins)) * room).astype(np.int32)
+      out["shift"] = np.where(rng.random(len(wins)) < 0.5, shift, 0).astype(np.int32)
+    return out
+
+
+def _load_rows(data_dir, cfg):
+  ds, manifest = load_drafter_data(data_dir)
+  target_dir, t = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=data_dir), manifest)
+  rows = [(list(p) + list(c), len(p)) for p, c in zip(ds["prompt"], ds["continuation"])]
+  i = cfg.data_dirs.index(data_dir)
+  limit = cfg.max_windows[i] if i < len(cfg.max_windows) else 0
+  return rows[:limit or None], manifest, target_dir, t
+
+
+def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
+  """Trains LongSpark; returns the exported drafter directory (or the checkpoint dir when stopped early)."""
+  loaded = [_load_rows(d, cfg) for d in cfg.data_dirs]
+  target_dir, target_cfg = loaded[0][2], loaded[0][3]
+  if any(l[3].vocab_size != target_cfg.vocab_size for l in loaded):
+    raise ValueError(f"drafter data dirs {cfg.data_dirs} come from targets with different vocabularies")
+  target = load_model_dir(target_dir)
+  dcfg = longspark_config_for(target_cfg, num_layers=cfg.num_layers, markov_rank=cfg.markov_rank,
+                              num_global_slots=cfg.num_global_slots, raw_window=cfg.raw_window,
+                              block_size=cfg.block_size)
+  weights_id = weights_sha256(target_dir)
+  caches = [FeatureCache(Path(cfg.cache_dir) / Path(d).name, rows, target, dcfg.target_layer_ids, weights_id)
+            for d, (rows, *_) in zip(cfg.data_dirs, loaded)]
+  order = np.random.default_rng([cfg.seed, 7]).permutation(len(caches[0].rows))
+  n_val = min(cfg.val_windows, len(order) - 1)
+  val = order[:n_val]
+  samplers = [AnchorSampler(caches[0], order[n_val:], cfg, cfg.seed)]
+  samplers += [AnchorSampler(c, np.arange(len(c.rows)), cfg, cfg.seed + 1 + j) for j, c in enumerate(caches[1:])]
+
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+  model = create_longspark(dcfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype))
+  print(f"LongSpark drafter: {param_count(model) / 1e6:.2f}M parameters (+ the target's frozen embedding/norm/head), "
+        f"target layers {dcfg.target_layer_ids}, windows {[len(s.windows) for s in samplers]} (+{n_val} val), "
+        f"prefix rows {[s.cp for s in samplers]}, {cfg.anchors_per_window} anchors/window")
+
+  mesh = shd.make_mesh(cfg.mesh_data or None)
+  if cfg.batch_size % mesh.shape["data"]:
+    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
+  graphdef, params = nnx.split(model)
+  optimizer = make_optimizer(cfg.optim, cfg.steps)
+  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
+  io = jax.device_put(longspark_io(target), shd.replicated(mesh))
+  batch_sharding = shd.batch_sharding(mesh)
+  kv_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
+
+  def batch_fn(step):
+    # Data dirs take turns (each keeps its own fixed shapes, so the step compiles once per dir).
+    b = samplers[step % len(samplers)].batch(step, cfg.batch_size)
+    on_device = {k: jax.device_put(v, kv_sharding if k in ("pre_k", "pre_v", "slab_k", "slab_v")
+                                   else batch_sharding) for k, v in b.items()}
+    return dict(on_device, io=io)
+
+  def loss_fn(p, batch):
+    return longspark_loss(nnx.merge(graphdef, p), batch)
+
+  t0 = time.time()
+  state, finished = train_until(state, ckpt, mesh, loss_fn, optimizer, batch_fn, steps=cfg.steps,
+                                stop_after_steps=cfg.stop_after_steps, log_path=out / "train_log.jsonl",
+                                log_every=cfg.log_every, tokens_per_step=cfg.batch_size * cfg.anchors_per_window,
+                                desc="train-drafter longspark")
+  if not finished:
+    return out / "checkpoints"
+  trained = nnx.merge(graphdef, state.params)
+  val_sampler = AnchorSampler(caches[0], val, cfg, cfg.seed)
+  return export_longspark(trained, cfg, target, target_dir, [l[1] for l in loaded], val_sampler, val,
+                          time.time() - t0)
+
+
+def validation_metrics(model: LongSparkModel, target, sampler: AnchorSampler, windows) -> dict:
+  """Held-out windows, every continuation anchor: block CE, top-1 per slot and the mean number of leading
+  correct slots (= greedy acceptance length where the window is the target's greedy output), Markov term fed the
+  true previous tokens (as greedy decoding does while drafts are correct)."""
+  if len(windows) == 0:
+    return {}
+  graphdef, params = nnx.split(model)
+  io = longspark_io(target)
+  flat = dataclasses.replace(sampler.cfg, gamma=1e9)
+  sampler = AnchorSampler(sampler.c, sampler.windows, flat, sampler.seed)
+
+  @jax.jit
+  def stats(params, batch):
+    m = nnx.merge(graphdef, params)
+    g_out = _summaries(m, batch)
+    logits = longspark_train_logits(m, io, batch["boundary"], batch["anchors"], g_out, batch["slab_k"],
+                                    batch["slab_v"], batch["slab_pos"], batch["prev"])
+    ce, n = cross_entropy(logits, batch["labels"], batch["label_w"])
+    hit = jnp.argmax(logits, -1) == batch["labels"]
+    real = batch["label_w"] > 0
+    full = jnp.all(real, axis=-1)
+    lead = jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1)
+    return ce * n, n, jnp.sum(hit & real, (0, 1)), jnp.sum(real, (0, 1)), jnp.sum(lead * full), jnp.sum(full)
+
+  acc = None
+  c, a = sampler.c, sampler.cfg.anchors_per_window
+  for i in windows:
+    all_anchors = np.arange(c.tail_start[i] + 1, c.lens[i] - 1)
+    for j in range(0, len(all_anchors), a):
+      anc = all_anchors[j:j + a]
+      anc = np.concatenate([anc, np.full(a - len(anc), anc[-1])])  # pad the last group (counted twice: tiny)
+      part = stats(params, sampler.window_batch([i], [anc]))
+      acc = part if acc is None else tuple(x + y for x, y in zip(acc, part))
+  ce_sum, n, hits, real, lead, full = (np.asarray(x, np.float64) for x in acc)
+  return {"val_block_ce": round(float(ce_sum / n), 4),
+          "val_top1_per_slot": [round(float(h), 4) for h in hits / np.maximum(real, 1)],
+          "val_mean_leading_correct": round(float(lead / max(full, 1)), 4)}
+
+
+def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manifests, val_sampler, val_windows,
+                     train_s: float) -> Path:
+  out = Path(cfg.out_dir)
+  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
+  last = log[-1] if log else {}
+  final = save_longspark_dir(model, out / "final", dtype=jnp.bfloat16)
+  info = {
+      "kind": "longspark",
+      "command": " ".join(["longspec" if sys.argv[0].endswith(("cli.py", "longspec")) else sys.argv[0]] + sys.argv[1:]),
+      "block_size": cfg.block_size,
+      "num_global_slots": cfg.num_global_slots,
+      "raw_window": cfg.raw_window,
+      "markov_rank": cfg.markov_rank,
+      "target_layer_ids": list(model.cfg.target_layer_ids),
+      "target": target_name(target_dir),
+      "target_weights_sha256": weights_sha256(target_dir),
+      "data": [{"dir": Path(d).name, **m["counts"], "temperature": m["settings"]["temperature"],
+                "greedy_fraction": m["settings"]["greedy_fraction"],
+                "prompt_tokens": [m["settings"]["min_prompt_tokens"], m["settings"]["max_prompt_tokens"]]}
+               for d, m in zip(cfg.data_dirs, manifests)],
+      "val_windows": [int(i) for i in val_windows],
+      "steps": cfg.steps,
+      "batch_size": cfg.batch_size,
+      "anchors_per_window": cfg.anchors_per_window,
+      "gamma": cfg.gamma,
+      "anchors_seen": last.get("tokens"),
+      "final_loss": last.get("loss"),
+      "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
+      "parameters": param_count(model),
+      **validation_metrics(model, target, val_sampler, val_windows),
+  }
+  (final / "drafter.json").write_text(json.dumps(info, indent=2))
+  return final
