@@ -139,7 +139,7 @@ def cmd_bench(a) -> int:
   tok = load_tokenizer(model_dir)
   text = path.read_text()
   res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
-                  a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft)
+                  a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, budget=a.budget)
   if a.peer == "transformers":
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
     prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--peer", choices=["transformers"])
   bn.add_argument("--sharpdraft", choices=["off", "fixed", "exact"], default="off",
                   help="SharpDraft query scaling of the drafter (needs sharpdraft.json: calibrate-sharpdraft)")
+  bn.add_argument("--budget", type=int,
+                  help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
   bn.add_argument("--json")
   bn.set_defaults(fn=cmd_bench)
 

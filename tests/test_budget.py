@@ -42,14 +42,14 @@ def test_greedy_spec_equals_ar_with_budget(target, small_drafter, keep_recent):
 def test_self_drafting_with_full_budget_accepts_everything(target):
   # Budget over the prompt = the drafter's full cache: the target drafting for itself is always right.
   d = budget_from_model(target, budget=256, tail_tokens=64)
-  sp = generate(target, _prompts(2, [70, 100]), max_new_tokens=20, eos_id=-1, drafter=d, num_draft_tokens=4)
+  sp = generate(target, _prompts(1, [70]), max_new_tokens=20, eos_id=-1, drafter=d, num_draft_tokens=4)
   assert sp.stats["accept_per_position"] == [1.0] * 4
 
 
 LONG_PREFIX = np.random.default_rng(5).integers(3, V, 45).tolist()
 
 
-@pytest.mark.parametrize("keep_recent", [True, False])
+@pytest.mark.parametrize("keep_recent", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_sampling_matches_target_distribution_with_budget(peaky_target, small_drafter, monkeypatch, keep_recent):  # noqa: F811
   monkeypatch.setattr(ts, "PREFIX", LONG_PREFIX)  # 45 tokens: the 16-token budget drops most of the prompt
   sp = ts.SamplingParams.make(1.0, 0, 1.0)
@@ -72,8 +72,9 @@ def test_state_bytes_flat_past_budget(small_drafter):
   for t in (40, 200, 600):
     toks = jnp.asarray(np.random.default_rng(t).integers(3, V, (2, t)), jnp.int32)
     pre = _prefill(toks, jnp.asarray([t, t - 5]))
-    sizes.append(state_nbytes(d.spec.init_state(d.params, pre, t + 64)))
-    full_sizes.append(state_nbytes(full.spec.init_state(full.params, pre, t + 64)))
+    # Shapes only (no compute): the state's size is a function of its shapes.
+    sizes.append(state_nbytes(jax.eval_shape(lambda p: d.spec.init_state(p, pre, t + 64), d.params)))
+    full_sizes.append(state_nbytes(jax.eval_shape(lambda p: full.spec.init_state(p, pre, t + 64), full.params)))
   assert sizes[0] == sizes[1] == sizes[2]
   assert full_sizes[2] > 10 * sizes[2]
 
@@ -124,11 +125,12 @@ def test_selection_matches_numpy_reference(keep_recent):
 
 def _teacher_forced(spec, params, prompt, lens, cont):
   """Inference path: prefill + sparsify, then the continuation fed one token at a time (as drafting does)."""
-  state = spec.init_state(params, _prefill(prompt, lens), 0)
+  state = jax.jit(spec.init_state, static_argnums=2)(params, _prefill(prompt, lens), 0)
+  forward = jax.jit(spec.forward)
   logits = []
   for r in range(cont.shape[1]):
     pos = (lens + r)[:, None]
-    lg, state = spec.forward(params, state, cont[:, r:r + 1], pos, jnp.ones_like(pos, bool))
+    lg, state = forward(params, state, cont[:, r:r + 1], pos, jnp.ones_like(pos, bool))
     logits.append(lg[:, 0])
   return jnp.stack(logits, axis=1)
 
@@ -143,7 +145,7 @@ def test_training_forward_equals_inference_forward(keep_recent):
   prompt = jnp.asarray(rng.integers(3, V, (2, 120)), jnp.int32)
   cont = jnp.asarray(rng.integers(3, V, (2, 6)), jnp.int32)
   batch = {"prompt": prompt, "prompt_lens": lens, "cont": cont, "num_chunks": jnp.full((2,), 4, jnp.int32)}
-  full, sparse = multiview_forward(model, batch, 64, keep_recent)
+  full, sparse = jax.jit(multiview_forward, static_argnums=(2, 3))(model, batch, 64, keep_recent)
   d = budget_from_model(model, budget=32, keep_recent=keep_recent)
   np.testing.assert_allclose(sparse, _teacher_forced(d.spec, d.params, prompt, lens, cont), atol=2e-4, rtol=2e-4)
   d_full = budget_from_model(model, budget=128, keep_recent=keep_recent)  # over every prompt: the full cache

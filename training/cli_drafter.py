@@ -11,6 +11,7 @@ DRAFTERS = {
     "pard": ("training.train_drafter", "DrafterTrainConfig", "train_standalone_drafter"),
     "dflash": ("training.train_dflash", "DFlashTrainConfig", "train_dflash"),
     "eagle3": ("training.train_eagle3", "Eagle3TrainConfig", "train_eagle3"),
+    "budget": ("training.train_budget", "BudgetTrainConfig", "train_budget"),
 }
 
 
@@ -35,6 +36,10 @@ def cmd_train_drafter(a) -> int:
 
   from longspec_jax.yaml_config import load_yaml
 
+  if a.multi_view_budgets:
+    if a.drafter != "budget":
+      raise ValueError("--multi-view-budgets applies to --drafter budget")
+    a.set.append(f"budgets=[{a.multi_view_budgets}]")
   module, config_cls, train_fn = DRAFTERS[a.drafter]
   mod = importlib.import_module(module)
   cfg = load_yaml(getattr(mod, config_cls), a.config or f"configs/drafter_{a.drafter}.yaml", a.set)
@@ -63,4 +68,6 @@ def add_subcommands(subparsers) -> None:
   t.add_argument("--config", help="YAML config (default: configs/drafter_<drafter>.yaml)")
   t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
   t.add_argument("--no-resume", action="store_true")
+  t.add_argument("--multi-view-budgets", metavar="B1,B2,...",
+                 help="--drafter budget: the budgets drawn per step (same as --set budgets=[...])")
   t.set_defaults(fn=cmd_train_drafter)

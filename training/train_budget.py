@@ -43,8 +43,8 @@ class BudgetTrainConfig:
   target_dir: str = ""  # "" = the target recorded in the data's manifest
   init_dir: str = ""  # drafter checkpoint to fine-tune ("" = the shipped PARD / standalone drafter)
   out_dir: str = "runs/drafter_budget"
-  budgets: tuple = (64, 128, 256, 512)  # drawn per step ...
-  budget_probs: tuple = (0.4, 0.3, 0.2, 0.1)  # ... with these probabilities (the paper's)
+  budgets: tuple[int, ...] = (64, 128, 256, 512)  # drawn per step ...
+  budget_probs: tuple[float, ...] = (0.4, 0.3, 0.2, 0.1)  # ... with these probabilities (the paper's)
   sparse_weight: float = 0.5  # lambda: loss = CE_full + lambda * CE_sparse
   keep_recent: bool = True  # selection keeps the newest (possibly partial) prompt chunk
   continuation_len: int = 256  # loss rows per sequence
