@@ -172,3 +172,11 @@ def test_bad_budget_is_one_clear_error(small_drafter):
   for bad in (12, 8, 100):
     with pytest.raises(ValueError, match="budget must be a multiple of 8"):
       budget_from_model(small_drafter, budget=bad)
+
+
+def test_budget_flag_only_for_budget_methods(target):
+  from longspec_jax.drafters import build_drafter
+  with pytest.raises(ValueError, match="--budget applies to budget"):
+    build_drafter("standalone", target, budget=256)
+  with pytest.raises(ValueError, match="SharpDraft scales drafter attention"):
+    build_drafter("budget", target, sharpdraft="fixed")
