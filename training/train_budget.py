@@ -16,6 +16,7 @@ inference (tested in tests/test_budget.py).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -82,14 +83,20 @@ class BudgetTrainConfig:
     return max(self.budgets)
 
 
+def row_key(row: dict) -> str:
+  """Cache key of a row: a digest of its tokens (rows are found again whatever the dataset order)."""
+  toks = np.asarray(row["prompt"] + row["continuation"], np.int32)
+  return hashlib.sha1(toks.tobytes()).hexdigest()[:20]
+
+
 def teacher_labels(target_dir: Path, rows: list[dict], cache_path: Path) -> list[np.ndarray]:
   """Per row, the target's greedy next token after each continuation prefix (label of continuation row r).
 
   Greedy rows: the continuation shifted by one (the last row has no label: -1). Sampled rows: the target's
-  argmax from one forward, cached in `cache_path` (keyed by row index) so a resumed run does not redo it."""
+  argmax from one forward, cached in `cache_path` (keyed by the row's tokens) so a rerun does not redo it."""
   from longspec_jax.hf_io import load_model_dir
   cached = dict(np.load(cache_path)) if cache_path.exists() else {}
-  todo = [i for i, r in enumerate(rows) if r["temperature"] > 0 and str(i) not in cached]
+  todo = [r for r in rows if r["temperature"] > 0 and row_key(r) not in cached]
   if todo:
     target = load_model_dir(target_dir)
     graphdef, params = nnx.split(target)
@@ -99,17 +106,17 @@ def teacher_labels(target_dir: Path, rows: list[dict], cache_path: Path) -> list
       m = nnx.merge(graphdef, params)
       return jnp.argmax(m(toks, mode="train", logits_at=at).logits, -1)
 
-    for n, i in enumerate(todo):
-      p, c = rows[i]["prompt"], rows[i]["continuation"]
-      toks = np.asarray([p + c], np.int32)
+    for n, r in enumerate(todo):
+      p, c = r["prompt"], r["continuation"]
       at = np.asarray([len(p) + np.arange(len(c))], np.int32)
-      cached[str(i)] = np.asarray(argmax_at(params, toks, at))[0].astype(np.int32)
-      print(f"teacher labels: {n + 1}/{len(todo)} sampled rows", flush=True)
-    np.savez(cache_path, **cached)
+      cached[row_key(r)] = np.asarray(argmax_at(params, np.asarray([p + c], np.int32), at))[0].astype(np.int32)
+      if (n + 1) % 8 == 0 or n + 1 == len(todo):
+        np.savez(cache_path, **cached)
+        print(f"teacher labels: {n + 1}/{len(todo)} sampled rows", flush=True)
   out = []
-  for i, r in enumerate(rows):
+  for r in rows:
     c = np.asarray(r["continuation"], np.int32)
-    out.append(cached[str(i)] if r["temperature"] > 0 else np.append(c[1:], -1).astype(np.int32))
+    out.append(cached[row_key(r)] if r["temperature"] > 0 else np.append(c[1:], -1).astype(np.int32))
   return out
 
 
@@ -164,10 +171,9 @@ def multiview_forward(model, batch, max_budget: int, keep_recent: bool):
   sel_len = selection_lengths(lens, batch["num_chunks"] * CHUNK, keep_recent)
   x_p = model.embed(prompt)
   x_f = x_s = model.embed(cont)
-  for layer in model.layers:
+  for li, layer in enumerate(model.layers):
     attn = layer.self_attn
     q_p, k_p, v_p = attn.qkv(layer.input_layernorm(x_p), pos_p, rope)
-    o_p = causal_attention(q_p, k_p, v_p, block=model.attn_block)
     idx = jax.lax.stop_gradient(select_budget_chunks(k_p, lens, max_budget, keep_recent, batch["num_chunks"]))
     kept = chunk_key_mask(idx, sel_len, CHUNK, p)  # [B, Hkv, P]
     sparse_vis = jnp.concatenate([jnp.broadcast_to(kept[:, :, None], (b, kept.shape[1], c, p)),
@@ -180,8 +186,9 @@ def multiview_forward(model, batch, max_budget: int, keep_recent: bool):
       x_c = x_c + attn.out(masked_attention(q_c, k, v, vis))
       branches.append(x_c + layer.mlp(layer.post_attention_layernorm(x_c)))
     x_f, x_s = branches
-    x_p = x_p + attn.out(o_p)
-    x_p = x_p + layer.mlp(layer.post_attention_layernorm(x_p))
+    if li + 1 < len(model.layers):  # the last layer's prompt outputs feed nothing
+      x_p = x_p + attn.out(causal_attention(q_p, k_p, v_p, block=model.attn_block))
+      x_p = x_p + layer.mlp(layer.post_attention_layernorm(x_p))
   return model.logits_from_hidden(model.norm(x_f)), model.logits_from_hidden(model.norm(x_s))
 
 
