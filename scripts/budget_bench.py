@@ -8,7 +8,7 @@ Per prompt: tau = tokens committed after the first / verification passes. Per ba
 (same process, same prompts, same batch), draft ms per step (one jitted propose at this context), drafter state
 bytes per sequence, exact match with AR. Each (context, cut, variant) is one JSON file; finished ones are skipped.
 
-  python scripts/budget_bench.py --contexts 1024,4096,8192,16384 --variants full,naive-256,budget-256 \\
+  PYTHONPATH=. python scripts/budget_bench.py --contexts 1024,4096,8192,16384 --variants full,naive-256,budget-256 \\
       --trained longspec_jax/assets/drafters/budgetdraft --out results/budget/runs
 Variants: full | trained-full | naive-B | naive-B-drop | budget-B | budget-B-drop (B = budget; -drop = paper rule,
 the partial last prompt chunk dropped; naive = the shipped PARD/standalone drafter, budget = --trained).
@@ -52,16 +52,11 @@ def build_variant(name: str, trained: Path):
   return load_budget(src, int(budget), keep_recent=drop != "drop")
 
 
-def make_start(graphdef):
-  @partial(jax.jit, static_argnames=("max_len",))
-  def target_prefill(params, tokens, lens, max_len):
-    m = nnx.merge(graphdef, params)
-    out = m(tokens, cache=m.init_cache(tokens.shape[0], max_len), mode="prefill", logits_at=(lens - 1)[:, None])
-    return out.cache.replace(lengths=lens), jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
-
+def make_start():
   @partial(jax.jit, static_argnames=("drafter", "max_len", "num_draft"))
   def spec_start(dparams, drafter, tokens, lens, cache, first, max_len, num_draft):
-    # What the engine's spec prefill builds after its target prefill (inference.speculative._spec_prefill).
+    # What the engine's spec prefill builds after its target prefill (inference.speculative._spec_prefill); the
+    # target cache and first token come from the AR prefill of the same prompts (greedy: identical).
     b, t = tokens.shape
     buf = jnp.zeros((b, max_len), jnp.int32).at[:, :t].set(tokens).at[jnp.arange(b), lens].set(first)
     cache = jax.tree.map(jnp.copy, cache)  # the decode program donates its state
@@ -72,7 +67,7 @@ def make_start(graphdef):
                      drafter_state=drafter.init_state(dparams, pre, max_len), step=jnp.int32(0),
                      active_steps=jnp.zeros((b,), jnp.int32), accept_hist=jnp.zeros((num_draft + 1,), jnp.int32))
 
-  return target_prefill, spec_start
+  return spec_start
 
 
 def timed(fn):
@@ -101,7 +96,7 @@ def main() -> int:
   if not a.docs:
     ids = dict(sorted(ids.items(), key=lambda kv: -len(kv[1]))[:4])
   graphdef, params = nnx.split(model)
-  target_prefill, spec_start = make_start(graphdef)
+  spec_start = make_start()
   k, new = a.num_draft, a.new_tokens
   sp = SamplingParams.make(0.0)
   max_new, eos, seed = jnp.int32(new), jnp.int32(-1), jnp.uint32(0)
@@ -116,27 +111,29 @@ def main() -> int:
       t_bucket, max_len = cache_len_for(ctx, new, extra=k + 1)
       tokens, lens = (jnp.asarray(x) for x in pad_prompts(prompts, cfg.pad_token_id or 0, t_bucket))
       print(f"== context {ctx} cut {cut}: AR", flush=True)
-      run_ar = lambda: ar_decode_program(graphdef, params, ar_prefill_program(
-          graphdef, params, tokens, lens, max_new, sp, seed, eos, max_len=max_len), max_new, sp, eos)
-      jax.block_until_ready(run_ar())  # compile both programs
-      ar_pre = ar_prefill_program(graphdef, params, tokens, lens, max_new, sp, seed, eos, max_len=max_len)
-      ar_state, ar_decode_s = timed(lambda: ar_decode_program(graphdef, params, ar_pre, max_new, sp, eos))
+      # Compiled ahead of time (lower + compile), so no program runs twice just to warm up.
+      ar_pre = ar_prefill_program.lower(graphdef, params, tokens, lens, max_new, sp, seed, eos,
+                                        max_len=max_len).compile()(params, tokens, lens, max_new, sp, seed, eos)
+      # The decode program donates its state: keep a copy of the prefilled cache for the drafters.
+      cache = jax.tree.map(jnp.copy, ar_pre.cache)
+      first = ar_pre.tokens[jnp.arange(len(prompts)), lens]
+      ar_decode = ar_decode_program.lower(graphdef, params, ar_pre, max_new, sp, eos).compile()
+      ar_state, ar_decode_s = timed(lambda: ar_decode(params, ar_pre, max_new, sp, eos))
       ar_tokens = np.asarray(ar_state.tokens)
-      cache, first = target_prefill(params, tokens, lens, max_len=max_len)
       for v in todo:
         print(f"== context {ctx} cut {cut}: {v}", flush=True)
         d = build_variant(v, Path(a.trained))
-        start = lambda: spec_start(d.params, d.spec, tokens, lens, cache, first, max_len=max_len, num_draft=k)
-        decode = lambda st: spec_decode_program(graphdef, params, d.spec, d.params, st, max_new, sp, seed, eos,
-                                                num_draft=k, sample=False)
-        jax.block_until_ready(decode(start()))  # compile
-        state0, init_s = timed(start)
+        start = spec_start.lower(d.params, d.spec, tokens, lens, cache, first, max_len=max_len,
+                                 num_draft=k).compile()
+        state0, init_s = timed(lambda: start(d.params, tokens, lens, cache, first))
         state_bytes = state_nbytes(state0.drafter_state) // len(prompts)
         ctx_p = ProposeContext(tokens=state0.tokens, num_tokens=state0.num_tokens, sampling=sp)
         draft = jax.jit(lambda dp, st: d.spec.propose(dp, st, ctx_p, jax.random.key(0), k, False)[0])
         jax.block_until_ready(draft(d.params, state0.drafter_state))
         _, draft_s = timed(lambda: draft(d.params, state0.drafter_state))
-        st, decode_s = timed(lambda: decode(state0))
+        decode = spec_decode_program.lower(graphdef, params, d.spec, d.params, state0, max_new, sp, seed, eos,
+                                           num_draft=k, sample=False).compile()
+        st, decode_s = timed(lambda: decode(params, d.params, state0, max_new, sp, seed, eos))
         num_new, steps = np.asarray(st.num_new), np.asarray(st.active_steps)
         toks = np.asarray(st.tokens)
         exact = [bool((toks[i, lens[i]:lens[i] + new] == ar_tokens[i, lens[i]:lens[i] + new]).all())
