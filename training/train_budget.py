@@ -50,8 +50,8 @@ class BudgetTrainConfig:
   keep_recent: bool = True  # selection keeps the newest (possibly partial) prompt chunk
   continuation_len: int = 256  # loss rows per sequence
   batch_size: int = 4
-  steps: int = 300
-  optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=20)
+  steps: int = 80
+  optim: OptimConfig = OptimConfig(lr=5e-4, warmup_steps=8)
   val_fraction: float = 0.08
   seed: int = 0
   compute_dtype: str = "bfloat16"
