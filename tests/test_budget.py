@@ -180,3 +180,12 @@ def test_budget_flag_only_for_budget_methods(target):
     build_drafter("standalone", target, budget=256)
   with pytest.raises(ValueError, match="SharpDraft scales drafter attention"):
     build_drafter("budget", target, sharpdraft="fixed")
+
+
+def test_shipped_budget_drafter_loads():
+  from longspec_jax import default_target_dir
+  from longspec_jax.drafters import build_drafter
+  from longspec_jax.hf_io import load_model_dir
+  target = load_model_dir(default_target_dir())
+  d = build_drafter("budget", target, budget=64)
+  assert d.spec.budget == 64 and d.spec.keep_recent and d.spec.vocab_size == target.cfg.vocab_size
