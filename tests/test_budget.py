@@ -50,7 +50,8 @@ LONG_PREFIX = np.random.default_rng(5).integers(3, V, 45).tolist()
 
 
 @pytest.mark.parametrize("keep_recent", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_sampling_matches_target_distribution_with_budget(peaky_target, small_drafter, monkeypatch, keep_recent):  # noqa: F811
+def test_sampling_matches_target_distribution_with_budget(peaky_target, small_drafter, monkeypatch,  # noqa: F811
+                                                          keep_recent):
   monkeypatch.setattr(ts, "PREFIX", LONG_PREFIX)  # 45 tokens: the 16-token budget drops most of the prompt
   sp = ts.SamplingParams.make(1.0, 0, 1.0)
   marg = ts._exact_marginals(peaky_target, sp)
