@@ -95,12 +95,13 @@ def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
 
 def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
               seed: int = 0, batch: int = 1, num_draft: int = 8, drafter_dir=None, repeats: int = 3,
-              top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None) -> dict:
+              top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None,
+              budget: int | None = None) -> dict:
   """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
   in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)
   cfg = model.cfg
-  drafter = build_drafter(method, model, drafter_dir, sharpdraft=sharpdraft)
+  drafter = build_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget)
   prompts = bench_prompts(tok.encode(text).ids, context, batch, cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
@@ -111,6 +112,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
          "batch": batch, "temperature": temperature, "seed": seed, "num_draft_tokens": num_draft if drafter else 0,
          "ar_tokens_per_s": ar_tps, "ar_prefill_ms": 1000 * ar_prefill,
          "ar_decode_ms": 1000 * ar_decode}
+  if budget is not None:
+    out["budget"] = budget
   if drafter is None:
     out.update(tau=1.0, accept_per_position=[], target_forwards=ar.target_forwards, tokens_per_s=ar_tps,
                speedup=1.0, draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,

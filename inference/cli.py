@@ -203,7 +203,7 @@ def cmd_bench(a) -> int:
   log(f"prompt: first {a.context} tokens of {path} (of {len(ids)}), batch {a.batch}, {a.new_tokens} new tokens; "
       f"method {a.method} vs AR, {a.repeats} timed repeats each after a compiling call")
   res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
-                  a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, log=log)
+                  a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, log=log, budget=a.budget)
   if a.peer == "transformers":
     log("transformers peers on the same weights: AR, assisted generation, prompt lookup")
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
@@ -354,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--peer", choices=["transformers"], help="also time transformers peers on the same weights")
   bn.add_argument("--sharpdraft", choices=SHARPDRAFT_CHOICES, default="off",
                   help="SharpDraft query scaling of the drafter (needs sharpdraft.json: calibrate-sharpdraft)")
+  bn.add_argument("--budget", type=positive_int,
+                  help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
   bn.add_argument("--json", metavar="OUT", help="also write the result here")
   bn.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
   bn.set_defaults(fn=cmd_bench)

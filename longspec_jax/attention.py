@@ -92,14 +92,15 @@ def causal_attention(q, k, v, *, block: int = 512, scale: float | None = None):
 
 
 def masked_attention(q, k, v, visible, *, scale: float | None = None, return_lse: bool = False):
-  """Dense attention with an explicit mask. q [B, T, Hq, D]; k/v [B, S, Hkv, D]; visible [B, T, S] bool."""
+  """Dense attention with an explicit mask. q [B, T, Hq, D]; k/v [B, S, Hkv, D]; visible [B, T, S] bool, or
+  [B, Hkv, T, S] for a mask per KV head (BudgetDraft training: each head keeps its own chunks)."""
   b, t, hq, d = q.shape
   kv_heads = k.shape[2]
   g = hq // kv_heads
   scale = d ** -0.5 if scale is None else scale
   qg = q.reshape(b, t, kv_heads, g, d)
   s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-  s = jnp.where(visible[:, None, None], s, NEG_INF)
+  s = jnp.where(visible[:, None, None] if visible.ndim == 3 else visible[:, :, None], s, NEG_INF)
   lse = jax.nn.logsumexp(s, axis=-1)
   p = jnp.exp(s - lse[..., None])
   out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v,

@@ -15,6 +15,7 @@ DRAFTERS = {
     "eagle3": ("training.train_eagle3", "Eagle3TrainConfig", "train_eagle3"),
     "dels": ("training.train_dels", "DeLSTrainConfig", "train_dels"),
     "longspark": ("training.train_longspark", "LongSparkTrainConfig", "train_longspark"),
+    "budget": ("training.train_budget", "BudgetTrainConfig", "train_budget"),
 }
 
 
@@ -41,6 +42,10 @@ def cmd_train_drafter(a) -> int:
 
   from longspec_jax.yaml_config import load_yaml
 
+  if a.multi_view_budgets:
+    if a.drafter != "budget":
+      raise ValueError("--multi-view-budgets applies to --drafter budget")
+    a.set.append(f"budgets=[{a.multi_view_budgets}]")
   module, config_cls, train_fn = DRAFTERS[a.drafter]
   mod = importlib.import_module(module)
   overrides = a.set + ([f"base={a.base}"] if a.base else [])  # --base: the frozen drafter a head wraps (dels)
@@ -71,4 +76,6 @@ def add_subcommands(subparsers) -> None:
   t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
   t.add_argument("--no-resume", action="store_true")
   t.add_argument("--base", help="dels: the frozen DFlash the local head wraps (shipped name or directory)")
+  t.add_argument("--multi-view-budgets", metavar="B1,B2,...",
+                 help="--drafter budget: the budgets drawn per step (same as --set budgets=[...])")
   t.set_defaults(fn=cmd_train_drafter)

@@ -56,6 +56,11 @@ def _longspark(target, drafter_dir, sharpdraft):
   return load_longspark(_shipped("longspark", drafter_dir), target)
 
 
+def _budget(target, drafter_dir, sharpdraft, budget: int = 256):
+  from longspec_jax.drafters.budget import load_budget
+  return load_budget(_shipped("budgetdraft", drafter_dir), budget)
+
+
 BUILDERS: dict[str, Callable] = {
     "dflash": _dflash,
     "eagle3": _eagle3,
@@ -64,6 +69,7 @@ BUILDERS: dict[str, Callable] = {
     "pard": _standalone("pard"),
     "dels": _dels,
     "longspark": _longspark,
+    "budget": _budget,  # BudgetDraft; `--drafter assets/drafters/pard` = the same rule on an untrained drafter
 }
 
 
@@ -80,8 +86,14 @@ def drafter_path(name: str, drafter_dir=None) -> Path:
   return _shipped(ATTENTION_DRAFTERS.get(name, name), drafter_dir)
 
 
-def build_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off") -> LoadedDrafter | None:
-  """sharpdraft: "off" | "fixed" | "exact" (reads sharpdraft.json beside the drafter checkpoint)."""
+# Methods that read a sparse drafter KV cache under a fixed budget (`--budget N`).
+BUDGET_DRAFTERS = ("budget",)
+
+
+def build_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
+                  budget: int | None = None) -> LoadedDrafter | None:
+  """sharpdraft: "off" | "fixed" | "exact" (reads sharpdraft.json beside the drafter checkpoint).
+  budget: drafter KV entries kept from the prompt (BUDGET_DRAFTERS only; None = their default, 256)."""
   from longspec_jax.sharpdraft import CHOICES, load_sharpdraft
   if sharpdraft not in CHOICES:
     raise ValueError(f"sharpdraft must be one of {CHOICES}, got {sharpdraft!r}")
@@ -90,7 +102,9 @@ def build_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off") 
   if sharpdraft != "off" and name not in ATTENTION_DRAFTERS:
     raise ValueError(f"SharpDraft scales drafter attention; method {name!r} has none (it applies to "
                      f"{', '.join(sorted(ATTENTION_DRAFTERS))})")
+  if budget is not None and name not in BUDGET_DRAFTERS:
+    raise ValueError(f"--budget applies to {', '.join(BUDGET_DRAFTERS)}, not to method {name!r}")
   if name == "ar":
     return None
   sd = load_sharpdraft(drafter_path(name, drafter_dir), sharpdraft, name) if sharpdraft != "off" else None
-  return BUILDERS[name](target, drafter_dir, sd)
+  return BUILDERS[name](target, drafter_dir, sd, **({"budget": budget} if budget is not None else {}))

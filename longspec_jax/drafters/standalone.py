@@ -25,6 +25,14 @@ from longspec_jax.sharpdraft import SharpDraft
 MODES = ("classic", "pard")
 
 
+def pick_token(logits, key, sp, sample: bool):
+  """Greedy draft (no probabilities), or a sample from the processed distribution with its probabilities q."""
+  if not sample:
+    return jnp.argmax(logits, -1).astype(jnp.int32), None
+  logq = processed_log_probs(logits, sp)
+  return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32), jnp.exp(logq)
+
+
 @dataclasses.dataclass(frozen=True)
 class StandaloneDrafter:
   graphdef: nnx.GraphDef
@@ -68,12 +76,6 @@ class StandaloneDrafter:
     toks = jnp.where(pos < n_tok[:, None], toks, fill)
     return toks, pos, n_tok - 1 - start  # index of the newest committed token inside the window
 
-  def _pick(self, logits, key, sp, sample):
-    if not sample:
-      return jnp.argmax(logits, -1).astype(jnp.int32), None
-    logq = processed_log_probs(logits, sp)
-    return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32), jnp.exp(logq)
-
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
     model = nnx.merge(self.graphdef, params)
     k = num_draft
@@ -84,7 +86,7 @@ class StandaloneDrafter:
                   logits_at=last[:, None] + jnp.arange(k)[None, :], query_scale=self._query_scale)
       drafts, probs = [], []
       for i in range(k):
-        d, q = self._pick(out.logits[:, i], keys[i], ctx.sampling, sample)
+        d, q = pick_token(out.logits[:, i], keys[i], ctx.sampling, sample)
         drafts.append(d)
         probs.append(q)
       cache = out.cache
@@ -92,12 +94,12 @@ class StandaloneDrafter:
       toks, pos, last = self._window(ctx, k, extra=0)
       out = model(toks, cache=state, positions=pos, mode="extend", logits_at=last[:, None],
                   query_scale=self._query_scale)
-      d, q = self._pick(out.logits[:, 0], keys[0], ctx.sampling, sample)
+      d, q = pick_token(out.logits[:, 0], keys[0], ctx.sampling, sample)
       drafts, probs, cache = [d], [q], out.cache
       for i in range(1, k):
         p = (ctx.num_tokens + i - 1)[:, None]
         out = model(drafts[-1][:, None], cache=cache, positions=p, mode="extend", query_scale=self._query_scale)
-        d, q = self._pick(out.logits[:, 0], keys[i], ctx.sampling, sample)
+        d, q = pick_token(out.logits[:, 0], keys[i], ctx.sampling, sample)
         drafts.append(d)
         probs.append(q)
         cache = out.cache

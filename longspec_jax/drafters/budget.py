@@ -1,0 +1,203 @@
+"""BudgetDraft: a standalone drafter (classic mode) that reads a sparse KV cache under a fixed budget.
+
+After its own full-attention prefill of the prompt, the drafter keeps, per layer and KV head, `budget // 8` chunks
+of 8 prompt keys: chunk 0 (the attention sink), optionally the most recent chunk, and the chunks whose mean key
+scores highest against the last prompt token's key. Kept keys keep their original RoPE. Rows at positions >= the
+prompt length (the pending token, committed tokens, drafts) go to a dense tail. The target keeps its full cache.
+
+Selection is made once, after prefill (as in the BudgetDraft code). A prompt no longer than the budget is kept
+whole. `keep_recent=True` always keeps the chunk holding the newest prompt key, partial or not (the issue's
+recommendation); `keep_recent=False` is the paper's rule: the incomplete last chunk is dropped and every full
+chunk but the sink competes on score.
+
+The tail is a ring of `tail_tokens` rows (slot = position mod tail_tokens, each slot records its position), so
+the state has one fixed shape whatever the prompt and generation lengths: budget + tail rows per layer. While
+fewer than tail_tokens - 2K tokens have been generated it is exactly a dense tail; past that the drafter sees
+the most recent generated rows only.
+
+Like `StandaloneDrafter`, every propose re-feeds the last K+1 committed tokens (from the prompt length on) at their
+own positions, which rewrites every tail row that held a draft: `update` is a no-op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longspec_jax.attention import masked_attention
+from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.standalone import pick_token
+from longspec_jax.rope import rope_frequencies
+from pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention, select_chunks
+from pallas_kernels.sparse_kv_gather import chunk_positions, gather_kv_chunks
+
+CHUNK = 8  # tokens per selectable chunk (the paper's chunk size)
+_LAST = 2 ** 30  # sorts empty slots (-1) after every real chunk index
+
+
+@flax.struct.dataclass
+class BudgetState:
+  k_sel: jax.Array  # [L, B, budget, Hkv, D] selected prompt keys, ascending positions; valid rows form a prefix
+  v_sel: jax.Array  # [L, B, budget, Hkv, D]
+  num_sel: jax.Array  # [B] valid rows of k_sel/v_sel (the same for every layer and KV head)
+  k_tail: jax.Array  # [L, B, W, Hkv, D] rows at positions >= prompt_lens, slot = position % W
+  v_tail: jax.Array  # [L, B, W, Hkv, D]
+  tail_pos: jax.Array  # [B, W] position each tail slot holds (-1 = empty)
+  prompt_lens: jax.Array  # [B]
+
+
+def check_budget(budget: int) -> None:
+  if not isinstance(budget, int) or budget < 2 * CHUNK or budget % CHUNK:
+    raise ValueError(f"budget must be a multiple of {CHUNK} and >= {2 * CHUNK} (the sink chunk plus at least one "
+                     f"more), got {budget!r}")
+
+
+def selection_lengths(prompt_lens, budget, keep_recent: bool):
+  """Prompt keys the selection may draw from: all of them, or (paper rule, prompt over budget) full chunks only."""
+  if keep_recent:
+    return prompt_lens
+  return jnp.where(prompt_lens <= budget, prompt_lens, prompt_lens // CHUNK * CHUNK)
+
+
+def select_budget_chunks(k, prompt_lens, budget: int, keep_recent: bool = True, num_chunks=None):
+  """Chunk indices kept for one layer: [B, Hkv, budget // 8] int32 in rank order (sink, recent chunk, then the
+  best-scoring first), -1 = empty. k [B, S, Hkv, D] are the layer's prompt keys (S a multiple of 8).
+
+  score(c) = k[P-1] . mean(k over the valid keys of chunk c) per KV head; the proxy is the last prompt token's key
+  even when the paper rule drops its (partial) chunk. Prompts up to the budget keep every chunk. `num_chunks` [B]
+  (<= budget // 8, traced) keeps only that many slots: training draws the budget per step under one compile, and
+  the top-n of a ranking is the prefix of its top-m."""
+  b, s, hkv, _ = k.shape
+  n_sel = budget // CHUNK
+  used = jnp.full((b,), n_sel, jnp.int32) if num_chunks is None else num_chunks
+  window = 1 if keep_recent else 0
+  top_k = max(0, min(n_sel - 1 - window, s // CHUNK - 1))
+  proxy = jnp.take_along_axis(k, (prompt_lens - 1)[:, None, None, None], axis=1)  # [B, 1, Hkv, D]
+  # select_chunks scores chunks by the mean query of a KV group: one query per KV head = the proxy key itself.
+  idx = select_chunks(proxy, k, selection_lengths(prompt_lens, used * CHUNK, keep_recent), chunk_size=CHUNK,
+                      top_k=top_k, window_chunks=window)
+  idx = jnp.pad(idx, ((0, 0), (0, 0), (0, n_sel - idx.shape[-1])), constant_values=-1)
+  return jnp.where(jnp.arange(n_sel) < used[:, None, None], idx, -1)
+
+
+def sorted_chunks(idx):
+  """Ascending chunk order with empty slots last, so the valid rows of a gathered buffer form a prefix."""
+  s = jnp.sort(jnp.where(idx < 0, _LAST, idx), axis=-1)
+  return jnp.where(s == _LAST, -1, s)
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetDrafter:
+  graphdef: nnx.GraphDef
+  vocab_size: int
+  budget: int = 256
+  keep_recent: bool = True
+  tail_tokens: int = 256
+  name: str = "budget"
+  taps: tuple = ()
+  needs_target_kv: bool = False
+
+  def __post_init__(self):
+    check_budget(self.budget)
+    if self.tail_tokens < 1:
+      raise ValueError(f"tail_tokens must be >= 1, got {self.tail_tokens}")
+
+  def init_state(self, params, prefill, max_len):
+    del max_len  # the state's size depends on the budget and the tail, never on the sequence length
+    model = nnx.merge(self.graphdef, params)
+    toks, lens = prefill.prompt_tokens, prefill.prompt_lens
+    b, t = toks.shape
+    t8 = -(-t // CHUNK) * CHUNK
+    toks = jnp.pad(toks, ((0, 0), (0, t8 - t)))  # pad rows sit after every prompt: no real query sees them
+    cache = model(toks, cache=model.init_cache(b, t8), mode="prefill", return_logits=False).cache
+    ks, vs = [], []
+    sel_len = selection_lengths(lens, self.budget, self.keep_recent)
+    for li in range(cache.k.shape[0]):
+      idx = sorted_chunks(select_budget_chunks(cache.k[li], lens, self.budget, self.keep_recent))
+      k_sel, v_sel = gather_kv_chunks(cache.k[li], cache.v[li], idx, chunk_size=CHUNK)
+      ks.append(k_sel)
+      vs.append(v_sel)
+    pos = chunk_positions(idx, CHUNK)[:, 0]  # identical counts on every layer and head
+    num_sel = jnp.sum((pos >= 0) & (pos < sel_len[:, None]), axis=-1).astype(jnp.int32)
+    cfg = model.cfg
+    tail = (cfg.num_hidden_layers, b, self.tail_tokens, cfg.num_key_value_heads, cfg.head_dim)
+    return BudgetState(k_sel=jnp.stack(ks), v_sel=jnp.stack(vs), num_sel=num_sel,
+                       k_tail=jnp.zeros(tail, cache.k.dtype), v_tail=jnp.zeros(tail, cache.v.dtype),
+                       tail_pos=jnp.full((b, self.tail_tokens), -1, jnp.int32), prompt_lens=lens)
+
+  def forward(self, params, state: BudgetState, tokens, positions, write, logits_at=None):
+    """Runs `tokens` [B, T] at `positions` [B, T] against the sparse prompt view and the tail; rows with
+    write[b, t] False are neither stored nor seen. Returns (logits [B, T or P, V], new state)."""
+    model = nnx.merge(self.graphdef, params)
+    b = tokens.shape[0]
+    w = self.tail_tokens
+    rows = jnp.arange(b)[:, None]
+    slot = jnp.where(write, positions % w, w)  # w = out of range: dropped
+    tail_pos = state.tail_pos.at[rows, slot].set(positions, mode="drop")
+    visible = ((tail_pos[:, None, :] >= state.prompt_lens[:, None, None])
+               & (tail_pos[:, None, :] <= positions[:, :, None]))  # [B, T, W]
+    rope = rope_frequencies(model.cfg, jnp.max(positions))
+    x = model.embed(tokens)
+    kt, vt = state.k_tail, state.v_tail
+    for li, layer in enumerate(model.layers):
+      q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, rope)
+      kt = kt.at[li, rows, slot].set(k.astype(kt.dtype), mode="drop")
+      vt = vt.at[li, rows, slot].set(v.astype(vt.dtype), mode="drop")
+      o_sel, lse_sel = query_scaled_attention(q, state.k_sel[li].astype(q.dtype), state.v_sel[li].astype(q.dtype),
+                                              state.num_sel)
+      o_tail, lse_tail = masked_attention(q, kt[li].astype(q.dtype), vt[li].astype(q.dtype), visible,
+                                          return_lse=True)
+      o, _ = merge_attention_views([o_sel, o_tail], [lse_sel, lse_tail])
+      x = x + layer.self_attn.out(o)
+      x = x + layer.mlp(layer.post_attention_layernorm(x))
+    h = model.norm(x)
+    if logits_at is not None:
+      h = jnp.take_along_axis(h, logits_at[..., None], axis=1)
+    return model.logits_from_hidden(h), state.replace(k_tail=kt, v_tail=vt, tail_pos=tail_pos)
+
+  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+    k = num_draft
+    keys = jax.random.split(key, k)
+    n_tok = ctx.num_tokens
+    # The last K+1 committed tokens, from the prompt length on: prompt rows live only in the sparse view.
+    start = jnp.maximum(n_tok - (k + 1), state.prompt_lens)
+    pos = start[:, None] + jnp.arange(k + 1)[None, :]
+    toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos, ctx.tokens.shape[1] - 1), axis=1)
+    logits, state = self.forward(params, state, toks, pos, pos < n_tok[:, None],
+                                 logits_at=(n_tok - 1 - start)[:, None])
+    d, q = pick_token(logits[:, 0], keys[0], ctx.sampling, sample)
+    drafts, probs = [d], [q]
+    for i in range(1, k):
+      p = (n_tok + i - 1)[:, None]
+      logits, state = self.forward(params, state, drafts[-1][:, None], p, jnp.ones_like(p, bool))
+      d, q = pick_token(logits[:, 0], keys[i], ctx.sampling, sample)
+      drafts.append(d)
+      probs.append(q)
+    return jnp.stack(drafts, axis=1), (jnp.stack(probs, axis=1) if sample else None), state
+
+  def update(self, params, state, verify):
+    return state
+
+
+def budget_from_model(model, budget: int = 256, keep_recent: bool = True, tail_tokens: int = 256) -> LoadedDrafter:
+  graphdef, params = nnx.split(model)
+  spec = BudgetDrafter(graphdef=graphdef, vocab_size=model.cfg.vocab_size, budget=budget, keep_recent=keep_recent,
+                       tail_tokens=tail_tokens)
+  return LoadedDrafter(spec, params)
+
+
+def load_budget(drafter_dir, budget: int = 256, keep_recent: bool | None = None) -> LoadedDrafter:
+  """keep_recent None: the rule the checkpoint was trained with (drafter.json), else keep the recent chunk."""
+  from longspec_jax.hf_io import load_model_dir
+  drafter_dir = Path(drafter_dir)
+  meta_path = drafter_dir / "drafter.json"
+  meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+  if keep_recent is None:
+    keep_recent = meta.get("budget_keep_recent", True)
+  return budget_from_model(load_model_dir(drafter_dir), budget, keep_recent)
