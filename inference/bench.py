@@ -14,7 +14,8 @@ from flax import nnx
 
 from inference.generate import cache_len_for, generate, pad_prompts
 from longspec_jax.drafters import build_drafter
-from longspec_jax.drafters.base import PrefillResult, ProposeContext, state_nbytes
+from longspec_jax.drafters.base import (DEFAULT_NUM_DRAFT, PrefillResult, ProposeContext, default_num_draft,
+                                       state_nbytes)
 from longspec_jax.sampling import SamplingParams
 
 BATCH_STRIDE = 64  # batch element b starts b * BATCH_STRIDE tokens into the file
@@ -94,7 +95,7 @@ def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
 
 
 def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
-              seed: int = 0, batch: int = 1, num_draft: int = 8, drafter_dir=None, repeats: int = 3,
+              seed: int = 0, batch: int = 1, num_draft: int | None = None, drafter_dir=None, repeats: int = 3,
               top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None,
               budget: int | None = None) -> dict:
   """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
@@ -102,6 +103,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
   log = log or (lambda msg: None)
   cfg = model.cfg
   drafter = build_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget)
+  if num_draft is None:
+    num_draft = default_num_draft(drafter.spec) if drafter is not None else DEFAULT_NUM_DRAFT
   prompts = bench_prompts(tok.encode(text).ids, context, batch, cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 

@@ -209,7 +209,8 @@ def cmd_bench(a) -> int:
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
     prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
     res["peer_tokens_per_s"] = transformers_peers(model, model_dir, drafter_dir if drafter_dir.exists() else None,
-                                                  prompts, a.new_tokens, a.num_draft, a.temperature, a.seed,
+                                                  prompts, a.new_tokens, res["num_draft_tokens"] or 8,
+                                                  a.temperature, a.seed,
                                                   a.repeats)
   res.update(text_file=str(path), model=str(a.model or model_dir), rope_scaling=a.rope_scaling)
   print(json.dumps(res, indent=2))
@@ -346,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy")
   bn.add_argument("--seed", type=nonneg_int, default=0, help="random seed for sampling")
   bn.add_argument("--batch", type=positive_int, default=1, help="prompts per call (each starts 64 tokens later)")
-  bn.add_argument("--num-draft", type=positive_int, default=8, help="K drafted tokens per verification")
+  bn.add_argument("--num-draft", type=positive_int, default=None,
+                  help="K drafted tokens per verification (default: 8, or the drafter's block limit if smaller)")
   bn.add_argument("--model", help=MODEL_HELP)
   bn.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
   bn.add_argument("--drafter", help="drafter directory (default: the shipped one for the method)")

@@ -315,6 +315,9 @@ def test_bad_checkpoints_targets_and_k(target, tmp_path):
   d = longspark_from_model(_longspark(target), target)
   with pytest.raises(ValueError, match="outside \\[1, 7\\]"):
     generate(target, [[3, 4, 5]], max_new_tokens=4, drafter=d, num_draft_tokens=8)
+  # Callers that give no K (`longspec bench` without --num-draft) get the block limit, not the rejected 8.
+  from longspec_jax.drafters.base import default_num_draft
+  assert default_num_draft(d.spec) == 7
 
 
 @pytest.mark.slow

@@ -55,6 +55,7 @@ class Drafter(Protocol):
   taps: tuple[int, ...]  # target residual-stream indices the drafter reads (() = none)
   needs_target_kv: bool  # whether verify/prefill results must carry the target's written K/V
   vocab_size: int
+  # Optional: `max_draft_tokens`, the most drafts one proposal can hold (block drafters); unbounded when absent.
 
   def init_state(self, params, prefill: PrefillResult, max_len: int) -> Any: ...
 
@@ -69,6 +70,14 @@ class LoadedDrafter:
   """A drafter's static spec (hashable; a jit static argument) with its parameter pytree (traced)."""
   spec: Drafter
   params: Any = None
+
+
+DEFAULT_NUM_DRAFT = 8
+
+
+def default_num_draft(spec) -> int:
+  """K when the caller gives none: 8, or the drafter's block limit if smaller (LongSpark drafts at most 7)."""
+  return min(DEFAULT_NUM_DRAFT, getattr(spec, "max_draft_tokens", DEFAULT_NUM_DRAFT))
 
 
 def state_nbytes(state) -> int:

@@ -213,6 +213,10 @@ class DFlashDrafter:
     return self.cfg.taps
 
   @property
+  def max_draft_tokens(self) -> int:
+    return self.cfg.block_size - 1
+
+  @property
   def vocab_size(self) -> int:
     return self.cfg.arch.vocab_size
 

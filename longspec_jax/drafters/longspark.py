@@ -283,6 +283,10 @@ class LongSparkDrafter:
     return self.cfg.taps
 
   @property
+  def max_draft_tokens(self) -> int:
+    return self.cfg.block_size
+
+  @property
   def vocab_size(self) -> int:
     return self.cfg.arch.vocab_size
 
