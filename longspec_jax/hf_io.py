@@ -122,6 +122,27 @@ def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: st
   return model
 
 
+def empty_model(build, param_dtype=None):
+  """The module `build()` makes, with zero-filled parameters of its abstract shapes (no random init): the shell a
+  checkpoint is loaded into."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(build))
+  return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, param_dtype or a.dtype), abstract))
+
+
+def save_drafter_dir(out_dir, hf_config: dict, tensors: dict[str, np.ndarray], dtype=np.float32) -> Path:
+  """config.json (torch_dtype set) + model.safetensors of fp32 HF-named `tensors` cast to `dtype`: the layout of
+  the public drafter checkpoints (DFlash, LongSpark)."""
+  from safetensors.numpy import save_file
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  hf_config = dict(hf_config, torch_dtype="bfloat16" if dtype == jnp.bfloat16 else np.dtype(dtype).name)
+  (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+  if dtype != np.float32:
+    tensors = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in tensors.items()}
+  save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+  return out_dir
+
+
 def load_model_dir(model_dir: str | os.PathLike, *, dtype=jnp.float32, check_tokenizer: bool = True,
                    config_fn=None, param_dtype=None, **model_kw):
   """Loads an HF Qwen3/Llama checkpoint directory into a `Transformer`.
@@ -139,10 +160,7 @@ def load_model_dir(model_dir: str | os.PathLike, *, dtype=jnp.float32, check_tok
   tensors = _read_tensors(model_dir)
   if cfg.tie_word_embeddings:
     tensors.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
-  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, **model_kw))
-  graphdef, abstract = nnx.split(model)
-  concrete = jax.tree.map(lambda a: jnp.zeros(a.shape, param_dtype or a.dtype), abstract)
-  model = nnx.merge(graphdef, concrete)
+  model = empty_model(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, **model_kw), param_dtype)
   load_params_into(model, tensors, where=f" {model_dir}")
   if check_tokenizer and (model_dir / "tokenizer.json").exists():
     from longspec_jax.tokenizer import check_tokenizer_matches, eos_token_of, load_tokenizer

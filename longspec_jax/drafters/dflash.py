@@ -35,7 +35,6 @@ from pallas_kernels.query_scaled_attention import merge_attention_views, query_s
 
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
-WEIGHTS_FILE = "model.safetensors"
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -320,23 +319,12 @@ def create_dflash(cfg: DFlashConfig, seed: int = 0, dtype=jnp.float32) -> DFlash
 
 def save_dflash_dir(model: DFlashModel, out_dir, dtype=np.float32) -> Path:
   """config.json + model.safetensors in the public DFlash layout (bare tensor names, torch [out, in])."""
-  from safetensors.numpy import save_file
-
-  from longspec_jax.hf_io import to_hf_tensors
-  out_dir = Path(out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  cfg = model.cfg.to_hf_dict()
-  cfg["torch_dtype"] = np.dtype(dtype).name if dtype != jnp.bfloat16 else "bfloat16"
-  (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-  tensors = to_hf_tensors(model, np.float32, prefix="")
-  if dtype != np.float32:
-    tensors = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in tensors.items()}
-  save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-  return out_dir
+  from longspec_jax.hf_io import save_drafter_dir, to_hf_tensors
+  return save_drafter_dir(out_dir, model.cfg.to_hf_dict(), to_hf_tensors(model, np.float32, prefix=""), dtype)
 
 
 def load_dflash_model(drafter_dir, dtype=jnp.float32) -> DFlashModel:
-  from longspec_jax.hf_io import _read_tensors, load_params_into
+  from longspec_jax.hf_io import _read_tensors, empty_model, load_params_into
   drafter_dir = Path(drafter_dir)
   path = drafter_dir / "config.json"
   if not path.exists():
@@ -345,9 +333,7 @@ def load_dflash_model(drafter_dir, dtype=jnp.float32) -> DFlashModel:
     cfg = DFlashConfig.from_hf_dict(json.loads(path.read_text()))
   except json.JSONDecodeError as e:
     raise ValueError(f"corrupt config file {path}: {e}") from e
-  model = nnx.eval_shape(lambda: DFlashModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-  graphdef, abstract = nnx.split(model)
-  model = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract))
+  model = empty_model(lambda: DFlashModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
   return load_params_into(model, _read_tensors(drafter_dir), where=f" {drafter_dir}", prefix="")
 
 

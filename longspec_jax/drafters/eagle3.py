@@ -286,7 +286,7 @@ def _aux_ids(extra: dict, num_layers: int) -> tuple[int, ...]:
 
 def load_eagle3(drafter_dir, target, sharpdraft=None) -> LoadedDrafter:
   """Loads an EAGLE-3 directory (public layout) for `target` (a Transformer), validating it against the target."""
-  from longspec_jax.hf_io import _read_tensors, load_params_into
+  from longspec_jax.hf_io import _read_tensors, empty_model, load_params_into
 
   drafter_dir = Path(drafter_dir)
   path = drafter_dir / "config.json"
@@ -333,8 +333,6 @@ def load_eagle3(drafter_dir, target, sharpdraft=None) -> LoadedDrafter:
       raise ValueError(f"{where}: d2t must map the {draft_vocab} draft ids to distinct target ids in "
                        f"[0, {cfg.vocab_size})")
   qk_norm = "midlayer.self_attn.q_norm.weight" in tensors
-  net = nnx.eval_shape(lambda: create_eagle3_net(cfg, tcfg, aux, draft_vocab, qk_norm))
-  graphdef, abstract = nnx.split(net)
-  net = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract))
+  net = empty_model(lambda: create_eagle3_net(cfg, tcfg, aux, draft_vocab, qk_norm))
   load_params_into(net, tensors, where=f" {drafter_dir}", prefix="")
   return eagle3_from_net(net, target, aux, d2t, sharpdraft)

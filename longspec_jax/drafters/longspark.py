@@ -44,7 +44,6 @@ from pallas_kernels.query_scaled_attention import merge_attention_views, query_s
 ARCHITECTURE = "LongSparkDraftModel"
 LONGSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_global_slots", "raw_window",
                   "markov_rank")
-WEIGHTS_FILE = "model.safetensors"
 PREFILL_CHUNK = 512  # rows per step of the prefill scan over the prompt's K/V
 # Our parameter names -> the public checkpoint's (FeedForward is nn.Sequential(Linear, SiLU, Linear) there).
 _RENAMES = ((".fc_in.", ".net.0."), (".fc_out.", ".net.2."))
@@ -437,23 +436,13 @@ def _public_name(name: str) -> str:
 
 def save_longspark_dir(model: LongSparkModel, out_dir, dtype=np.float32) -> Path:
   """config.json + model.safetensors with the public LongSpark tensor names (torch [out, in] layout)."""
-  from safetensors.numpy import save_file
-
-  from longspec_jax.hf_io import to_hf_tensors
-  out_dir = Path(out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  cfg = model.cfg.to_hf_dict()
-  cfg["torch_dtype"] = "bfloat16" if dtype == jnp.bfloat16 else np.dtype(dtype).name
-  (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+  from longspec_jax.hf_io import save_drafter_dir, to_hf_tensors
   tensors = {_public_name(k): v for k, v in to_hf_tensors(model, np.float32, prefix="").items()}
-  if dtype != np.float32:
-    tensors = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in tensors.items()}
-  save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-  return out_dir
+  return save_drafter_dir(out_dir, model.cfg.to_hf_dict(), tensors, dtype)
 
 
 def load_longspark_model(drafter_dir, dtype=jnp.float32) -> LongSparkModel:
-  from longspec_jax.hf_io import _read_tensors, load_params_into
+  from longspec_jax.hf_io import _read_tensors, empty_model, load_params_into
   drafter_dir = Path(drafter_dir)
   path = drafter_dir / "config.json"
   if not path.exists():
@@ -462,9 +451,7 @@ def load_longspark_model(drafter_dir, dtype=jnp.float32) -> LongSparkModel:
     cfg = LongSparkConfig.from_hf_dict(json.loads(path.read_text()))
   except json.JSONDecodeError as e:
     raise ValueError(f"corrupt config file {path}: {e}") from e
-  model = nnx.eval_shape(lambda: LongSparkModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-  graphdef, abstract = nnx.split(model)
-  model = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract))
+  model = empty_model(lambda: LongSparkModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
   theirs = _read_tensors(drafter_dir)
   ours = {}
   for name in theirs:
