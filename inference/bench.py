@@ -3,6 +3,8 @@ text file. Timings are medians over repeats; the first call of each program (com
 
 from __future__ import annotations
 
+import functools
+
 import resource
 import statistics
 import time
@@ -16,6 +18,7 @@ from inference.generate import cache_len_for, generate, pad_prompts
 from longspec_jax.drafters import build_drafter
 from longspec_jax.drafters.base import (DEFAULT_NUM_DRAFT, PrefillResult, ProposeContext, default_num_draft,
                                        state_nbytes)
+from longspec_jax.kv_cache import COMPILER_OPTIONS
 from longspec_jax.sampling import SamplingParams
 
 BATCH_STRIDE = 64  # batch element b starts b * BATCH_STRIDE tokens into the file
@@ -49,7 +52,7 @@ def profile_step(model, drafter, prompts, num_draft: int, sp: SamplingParams, re
   graphdef, params = nnx.split(model)
   sample = bool(float(sp.temperature) > 0)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
   def setup(params, dparams):
     m = nnx.merge(graphdef, params)
     out = m(tokens, cache=m.init_cache(tokens.shape[0], max_len), mode="prefill", taps=spec.taps,
@@ -63,11 +66,11 @@ def profile_step(model, drafter, prompts, num_draft: int, sp: SamplingParams, re
   buf, cache, dstate = setup(params, dparams)
   ctx = ProposeContext(tokens=buf, num_tokens=lens, sampling=sp)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
   def draft(dparams, dstate):
     return spec.propose(dparams, dstate, ctx, jax.random.key(0), num_draft, sample)[0]
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
   def verify(params, cache, block):
     m = nnx.merge(graphdef, params)
     out = m(block, cache=cache.replace(lengths=lens - 1), mode="extend", taps=spec.taps,

@@ -39,6 +39,7 @@ from flax import nnx
 from inference.generate import ar_decode_program, ar_start_state, cache_len_for
 from inference.speculative import spec_decode_program, spec_sizes, spec_start_state, spec_stats
 from longspec_jax.drafters.base import ProposeContext, state_nbytes
+from longspec_jax.kv_cache import COMPILER_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOCOL = (8, 4)  # the measurement protocol asks for >= 8 prompts from >= 4 documents per context
@@ -336,11 +337,13 @@ def _verify(graphdef, params, cache, block, *, taps: tuple, return_kv: bool):
 
 
 # Module-level programs: a second suite run in the same process (a notebook, the tests) reuses their compilations.
-prefill_program = jax.jit(_prefill, static_argnames=("graphdef", "max_len", "taps", "return_kv"))
-draft_program = jax.jit(_draft, static_argnames=("drafter", "num_draft", "sample"))
-verify_program = jax.jit(_verify, static_argnames=("graphdef", "taps", "return_kv"))
+prefill_program = jax.jit(_prefill, static_argnames=("graphdef", "max_len", "taps", "return_kv"),
+                          compiler_options=COMPILER_OPTIONS)
+draft_program = jax.jit(_draft, static_argnames=("drafter", "num_draft", "sample"), compiler_options=COMPILER_OPTIONS)
+verify_program = jax.jit(_verify, static_argnames=("graphdef", "taps", "return_kv"), compiler_options=COMPILER_OPTIONS)
 ar_start_program = jax.jit(ar_start_state, static_argnames=("max_len",))
-spec_start_program = jax.jit(spec_start_state, static_argnames=("drafter", "max_len", "num_draft"))
+spec_start_program = jax.jit(spec_start_state, static_argnames=("drafter", "max_len", "num_draft"),
+                             compiler_options=COMPILER_OPTIONS)
 
 
 class _Timer:

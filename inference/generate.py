@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.kv_cache import KVCache
+from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
 from longspec_jax.sampling import SamplingParams, sample_token
 
 MIN_BUCKET = 64
@@ -109,8 +109,9 @@ def _ar_decode(graphdef, params, state: DecodeState, max_new, sp, eos_id) -> Dec
 
 # Prefill and decode are two programs so that each is timed on its own (one sync between them, none per step);
 # the decode program takes over the prefill's buffers (donated), so the split costs no memory.
-ar_prefill_program = jax.jit(_ar_prefill, static_argnames=("graphdef", "max_len"))
-ar_decode_program = jax.jit(_ar_decode, static_argnames=("graphdef",), donate_argnames=("state",))
+ar_prefill_program = jax.jit(_ar_prefill, static_argnames=("graphdef", "max_len"), compiler_options=COMPILER_OPTIONS)
+ar_decode_program = jax.jit(_ar_decode, static_argnames=("graphdef",), donate_argnames=("state",),
+                             compiler_options=COMPILER_OPTIONS)
 
 
 def timed_prefill_decode(prefill_fn, decode_fn):

@@ -14,7 +14,7 @@ from flax import nnx
 
 from inference.generate import GenerationResult, cache_len_for, pad_prompts, timed_prefill_decode
 from longspec_jax.drafters.base import LoadedDrafter, PrefillResult, ProposeContext, VerifyResult
-from longspec_jax.kv_cache import KVCache
+from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
 from longspec_jax.sampling import SamplingParams, sample_token
 from longspec_jax.verify import verify_greedy, verify_sampling
 
@@ -119,9 +119,10 @@ def _spec_decode(graphdef, params, drafter, drafter_params, state: SpecState, ma
 
 
 # Two programs, as in AR generate: each is timed on its own and the decode loop takes over the prefill's buffers.
-spec_prefill_program = jax.jit(_spec_prefill, static_argnames=("graphdef", "drafter", "max_len", "num_draft"))
+spec_prefill_program = jax.jit(_spec_prefill, static_argnames=("graphdef", "drafter", "max_len", "num_draft"),
+                               compiler_options=COMPILER_OPTIONS)
 spec_decode_program = jax.jit(_spec_decode, static_argnames=("graphdef", "drafter", "num_draft", "sample"),
-                              donate_argnames=("state",))
+                              donate_argnames=("state",), compiler_options=COMPILER_OPTIONS)
 
 
 def spec_sizes(cfg, spec, longest: int, max_new_tokens: int, k: int) -> tuple[int, int]:

@@ -110,30 +110,40 @@ def masked_attention(q, k, v, visible, *, scale: float | None = None, return_lse
   return out
 
 
-def cached_attention(q, k_cache, v_cache, q_positions, *, scale: float | None = None, return_lse: bool = False):
-  """Few new queries against a static cache that already holds them. q [B, T, Hq, D] at q_positions [B, T];
-  k/v_cache [B, S, Hkv, D]. Key j is visible to a query at position p iff j <= p.
+def extend_attention(q, k, v, k_cache, v_cache, positions, *, scale: float | None = None,
+                     return_lse: bool = False):
+  """T new rows against a static cache and, causally, each other. q [B, T, Hq, D]; their own k/v [B, T, Hkv, D]
+  at positions [B, T] (increasing by one along T); k/v_cache [B, Hkv, S, D] (the `KVCache` layout), read before
+  this pass writes its rows into it: cache row j is visible iff j < positions[b, 0] (rows at or past it are stale
+  or the new rows themselves), new row t' to new row t iff t' <= t.
 
-  One product per KV head, with the query heads of its group merged into the rows and the batch as the only batch
-  dimension: a product with (batch, kv_head) batch dims over the [B, S, Hkv, D] cache makes XLA:CPU transpose the
-  whole cache first, about twice the time (`scripts/bench_decode_ops.py`)."""
+  Reading the cache before the write keeps the write in place: when a product read the updated buffer, XLA:CPU
+  copied the layer's whole cache several times per step (a 1-row decode at 8K took ~10x its bandwidth floor).
+  The query heads of a KV group are merged into the rows and (batch, kv_head) into one batch dimension, so each
+  product reads one contiguous [S, D] block per KV head."""
   b, t, hq, d = q.shape
-  s, kv_heads = k_cache.shape[1], k_cache.shape[2]
+  kv_heads, s = k_cache.shape[1], k_cache.shape[2]
   g = hq // kv_heads
   scale = d ** -0.5 if scale is None else scale
-  visible = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
-  visible = jnp.repeat(visible, g, axis=1)  # rows t*G + j, as the grouped queries below
-  outs, lses = [], []
-  for h in range(kv_heads):
-    qh = q[:, :, h * g:(h + 1) * g].reshape(b, t * g, d)
-    sc = jnp.einsum("brd,bsd->brs", qh, k_cache[:, :, h].astype(q.dtype), preferred_element_type=jnp.float32)
-    sc = jnp.where(visible, sc * scale, NEG_INF)
-    lse = jax.nn.logsumexp(sc, axis=-1)
-    p = jnp.exp(sc - lse[..., None])
-    o = jnp.einsum("brs,bsd->brd", p.astype(v_cache.dtype), v_cache[:, :, h], preferred_element_type=jnp.float32)
-    outs.append(o.reshape(b, t, g, d))
-    lses.append(lse.reshape(b, t, g))
-  out = jnp.concatenate(outs, axis=2).astype(q.dtype)
+  qg = _group_queries(q, kv_heads)  # [B*Hkv, T*G, D], row r = t*G + g
+  sc_cache = jnp.einsum("nrd,nsd->nrs", qg, k_cache.reshape(b * kv_heads, s, d).astype(q.dtype),
+                        preferred_element_type=jnp.float32)
+  sc_new = jnp.einsum("nrd,nsd->nrs", qg, _kv_major(k).astype(q.dtype), preferred_element_type=jnp.float32)
+  cache_visible = jnp.arange(s)[None, :] < positions[:, :1]  # [B, S]
+  new_visible = jnp.repeat(jnp.tril(jnp.ones((t, t), bool)), g, axis=0)  # [T*G, T]
+  sc_cache = jnp.where(jnp.repeat(cache_visible, kv_heads, axis=0)[:, None, :], sc_cache * scale, NEG_INF)
+  sc_new = jnp.where(new_visible[None], sc_new * scale, NEG_INF)
+  # One exp per score: normalise the [rows, D] output rather than the [rows, S] probabilities.
+  m = jnp.maximum(sc_cache.max(-1), sc_new.max(-1))[..., None]
+  p_cache, p_new = jnp.exp(sc_cache - m), jnp.exp(sc_new - m)
+  denom = p_cache.sum(-1) + p_new.sum(-1)
+  o = (jnp.einsum("nrs,nsd->nrd", p_cache.astype(v_cache.dtype), v_cache.reshape(b * kv_heads, s, d),
+                  preferred_element_type=jnp.float32)
+       + jnp.einsum("nrs,nsd->nrd", p_new.astype(v.dtype), _kv_major(v), preferred_element_type=jnp.float32))
+  o = o / denom[..., None]
+  lse = m[..., 0] + jnp.log(denom)
+  out = _ungroup(o, b, t, hq).astype(q.dtype)
   if return_lse:
-    return out, jnp.concatenate(lses, axis=2)
+    return out, _ungroup(lse[..., None], b, t, hq)[..., 0]
   return out
+

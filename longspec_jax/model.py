@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from longspec_jax.attention import cached_attention, causal_attention
+from longspec_jax.attention import causal_attention, extend_attention
 from longspec_jax.config import ModelConfig
 from longspec_jax.kv_cache import KVCache
 from longspec_jax.rope import apply_rope, rope_frequencies
@@ -105,8 +105,9 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, rope, cache_kv, layer: int, mode: str, attn_block: int, query_scale=None):
-    """cache_kv: the whole stacked (k, v) [L, B, S, Hkv, D]; this layer writes its rows in place."""
+  def __call__(self, x, positions, rope, cache: KVCache | None, layer: int, mode: str, attn_block: int,
+               query_scale=None):
+    """Writes this layer's new K/V rows into `cache` (prefill, extend); returns (x, cache, (k, v))."""
     q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
     if query_scale is not None:
       # SharpDraft: in every mode a query at position p sees keys 0..p, i.e. p + 1 of them.
@@ -114,22 +115,15 @@ class DecoderLayer(nnx.Module):
     if mode == "train":
       o = causal_attention(q, k, v, block=attn_block)
     elif mode == "prefill":
-      ck, cv = cache_kv
-      ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (layer, 0, 0, 0, 0))
-      cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (layer, 0, 0, 0, 0))
-      cache_kv = (ck, cv)
+      cache = cache.write_prefix(layer, k, v)
       o = causal_attention(q, k, v, block=attn_block)
     else:
-      ck, cv = cache_kv
-      rows = jnp.arange(x.shape[0])[:, None]
-      # Scatter only the T new rows (each sequence at its own positions); out-of-range rows are dropped.
-      ck = ck.at[layer, rows, positions].set(k.astype(ck.dtype), mode="drop")
-      cv = cv.at[layer, rows, positions].set(v.astype(cv.dtype), mode="drop")
-      cache_kv = (ck, cv)
-      o = cached_attention(q, ck[layer].astype(q.dtype), cv[layer].astype(q.dtype), positions)
+      # Attend over the cache as it was, then write: the write stays in place (see extend_attention).
+      o = extend_attention(q, k, v, cache.k[layer], cache.v[layer], positions)
+      cache = cache.write(layer, k, v, positions)
     x = x + self.self_attn.out(o)
     x = x + self.mlp(self.post_attention_layernorm(x))
-    return x, cache_kv, (k, v)
+    return x, cache, (k, v)
 
 
 @flax.struct.dataclass
@@ -191,7 +185,6 @@ class Transformer(nnx.Module):
     x = self.embed(tokens)
     tapped = {}
     new_k, new_v = [], []
-    kv = (cache.k, cache.v) if cache is not None else None
     for li, layer in enumerate(self.layers):
       if li in taps:
         tapped[li] = x
@@ -199,7 +192,7 @@ class Transformer(nnx.Module):
         fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, li, "train", self.attn_block, query_scale)[0])
         x = fn(layer, x, positions)
       else:
-        x, kv, (k, v) = layer(x, positions, rope, kv, li, mode, self.attn_block, query_scale)
+        x, cache, (k, v) = layer(x, positions, rope, cache, li, mode, self.attn_block, query_scale)
         if return_kv:
           new_k.append(k)
           new_v.append(v)
@@ -211,9 +204,8 @@ class Transformer(nnx.Module):
     else:
       h_sel = h
     logits = self.logits_from_hidden(h_sel) if return_logits else None
-    new_cache = cache.replace(k=kv[0], v=kv[1]) if cache is not None else None
     return ForwardOutput(
-        logits=logits, cache=new_cache,
+        logits=logits, cache=cache,
         taps=jnp.stack([tapped[i] for i in taps], axis=2) if taps else None,
         new_kv=(jnp.stack(new_k), jnp.stack(new_v)) if return_kv else None,
         hidden=h)

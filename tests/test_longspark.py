@@ -146,7 +146,7 @@ def test_online_summaries_equal_full_softmax_at_every_decode_step(target):
       n = int(length[b])
       assert int(state.length[b]) == n
       for li, tl in enumerate(ids):
-        ck, cv = np.asarray(cache.k[tl, b]), np.asarray(cache.v[tl, b])
+        ck, cv = (np.asarray(x[tl][b]).transpose(1, 0, 2) for x in (cache.k, cache.v))  # [S, Hkv, D]
         ref_out, ref_lse = _full_summary(gq[li], ck, cv, n)
         got_out = np.asarray(state.g_out[b, li]).reshape(ref_out.shape)
         np.testing.assert_allclose(got_out, ref_out, rtol=1e-4, atol=1e-5)
@@ -157,7 +157,7 @@ def test_online_summaries_equal_full_softmax_at_every_decode_step(target):
           np.testing.assert_allclose(np.asarray(state.ring_v[li, b, p % W]), cv[p], atol=1e-6)
       # Rows written at positions >= n (rejected drafts) sit in the target cache but not in the summaries: the
       # comparison above over rows < n would fail if they had been merged.
-      rejected += int(np.any(np.asarray(cache.k[0, b, n:n + 4]) != 0))
+      rejected += int(np.any(np.asarray(cache.k[0][b, :, n:n + 4]) != 0))
   assert steps == 9 and rejected > 0
 
 

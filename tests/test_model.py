@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longspec_jax.attention import cached_attention, causal_attention
+from longspec_jax.attention import causal_attention, extend_attention
 
 
 def naive_causal(q, k, v):
@@ -35,22 +35,24 @@ def test_blockwise_gradient_matches_naive():
   np.testing.assert_allclose(jax.grad(f1)(q), jax.grad(f2)(q), atol=2e-5)
 
 
-def test_cached_attention_lse_and_mask():
+def test_extend_attention_reads_committed_cache_rows_and_new_rows_causally():
   rng = np.random.default_rng(1)
-  q = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
-  kc = jnp.asarray(rng.normal(size=(2, 20, 2, 8)), jnp.float32)
-  vc = jnp.asarray(rng.normal(size=(2, 20, 2, 8)), jnp.float32)
-  pos = jnp.asarray([[5, 6, 7], [10, 11, 12]])
-  out, lse = cached_attention(q, kc, vc, pos, return_lse=True)
-  # Reference: explicit loop over sequences and rows.
-  for b in range(2):
-    for t in range(3):
-      n = int(pos[b, t]) + 1
-      kk = jnp.repeat(kc[b, :n], 2, axis=1)
-      vv = jnp.repeat(vc[b, :n], 2, axis=1)
-      s = jnp.einsum("hd,shd->hs", q[b, t], kk) / np.sqrt(8)
-      np.testing.assert_allclose(lse[b, t], jax.nn.logsumexp(s, -1), atol=1e-5)
-      np.testing.assert_allclose(out[b, t], jnp.einsum("hs,shd->hd", jax.nn.softmax(s, -1), vv), atol=1e-5)
+  b, t, hq, hkv, d, s = 2, 3, 4, 2, 8, 20
+  q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+  k_new, v_new = (jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32) for _ in range(2))
+  # Every cache row holds values, also past each sequence's start (stale rows): those must stay unseen.
+  kc, vc = (jnp.asarray(rng.normal(size=(b, hkv, s, d)), jnp.float32) for _ in range(2))
+  start = np.array([5, 10])
+  pos = jnp.asarray(start[:, None] + np.arange(t))
+  out, lse = extend_attention(q, k_new, v_new, kc, vc, pos, return_lse=True)
+  for bi in range(b):
+    for ti in range(t):
+      keys = jnp.concatenate([kc[bi, :, :start[bi]].transpose(1, 0, 2), k_new[bi, :ti + 1]])  # [n, Hkv, D]
+      vals = jnp.concatenate([vc[bi, :, :start[bi]].transpose(1, 0, 2), v_new[bi, :ti + 1]])
+      kk, vv = jnp.repeat(keys, hq // hkv, axis=1), jnp.repeat(vals, hq // hkv, axis=1)
+      sc = jnp.einsum("hd,shd->hs", q[bi, ti], kk) / np.sqrt(d)
+      np.testing.assert_allclose(lse[bi, ti], jax.nn.logsumexp(sc, -1), atol=1e-5)
+      np.testing.assert_allclose(out[bi, ti], jnp.einsum("hs,shd->hd", jax.nn.softmax(sc, -1), vv), atol=1e-5)
 
 
 def test_prefill_then_extend_matches_full_forward(tiny_model):
@@ -89,7 +91,8 @@ def test_taps_and_written_kv(tiny_model, tiny_cfg):
   np.testing.assert_allclose(out.taps[:, :, 2], out.hidden * 0 + out.taps[:, :, 2])  # final pre-norm stream
   k, v = out.new_kv
   assert k.shape == (2, 1, 12, 2, 16)
-  np.testing.assert_allclose(out.cache.k[:, :, :12], k, atol=0)
+  cached_k = np.stack([x[:, :, :12].transpose(0, 2, 1, 3) for x in out.cache.k])  # -> [L, B, T, Hkv, D]
+  np.testing.assert_allclose(cached_k, k, atol=0)
   with pytest.raises(ValueError, match="tap index"):
     m(tok, mode="train", taps=(5,))
 

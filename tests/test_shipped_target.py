@@ -1,6 +1,8 @@
 """The shipped default target loads, matches its tokenizer, generates, and beats the unigram baseline."""
 
 
+import pytest
+
 from inference.cli import main
 from inference.eval_target import evaluate_position_buckets, load_unigram
 from longspec_jax import default_target_dir, long_doc_paths
@@ -25,3 +27,30 @@ def test_readme_generate_command(capsys):
   assert main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "16"]) == 0
   out = capsys.readouterr().out
   assert out.strip()
+
+
+def test_bf16_target_spec_equals_ar():
+  """dtype="bfloat16": weights, activations and KV cache in bf16, and greedy speculative output (prompt lookup,
+  K = 1 and 6) equals greedy AR under that dtype, token for token, on real text."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from inference.generate import generate
+  from longspec_jax.drafters.base import LoadedDrafter
+  from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
+  from longspec_jax.targets import load_target
+
+  model = load_target(None, dtype="bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+  assert model.init_cache(1, 8).k[0].dtype == jnp.bfloat16
+  tok = load_tokenizer(default_target_dir())
+  ids = tok.encode(long_doc_paths()[1].read_text()).ids
+  prompts = [[model.cfg.bos_token_id] + ids[:300], [model.cfg.bos_token_id] + ids[1000:1120]]
+  ar = generate(model, prompts, max_new_tokens=40, eos_id=-1)
+  drafter = LoadedDrafter(PromptLookupDrafter(model.cfg.vocab_size))
+  for k in (1, 6):
+    sp = generate(model, prompts, max_new_tokens=40, eos_id=-1, drafter=drafter, num_draft_tokens=k)
+    assert sp.tokens == ar.tokens, f"K={k}"
+  with pytest.raises(ValueError, match="target dtype"):
+    load_target(None, dtype="float16")

@@ -138,7 +138,7 @@ def pard_forward(model, batch, num_masks: int, mask_id: int):
   cache = model.init_cache(b, c + num_masks)
   out = model(toks[:, :c], cache=cache, mode="prefill")
   # One cache copy per anchor; its length a+1 hides every key after the anchor.
-  rep = lambda x: jnp.repeat(x, a, axis=1)
+  rep = lambda bufs: tuple(jnp.repeat(x, a, axis=0) for x in bufs)
   group_cache = KVCache(k=rep(out.cache.k), v=rep(out.cache.v), lengths=(anchors + 1).reshape(b * a))
   masks = jnp.full((b * a, num_masks), mask_id, jnp.int32)
   mask_logits = model(masks, cache=group_cache, mode="extend").logits

@@ -118,9 +118,10 @@ class BudgetDrafter:
     cache = model(toks, cache=model.init_cache(b, t8), mode="prefill", return_logits=False).cache
     ks, vs = [], []
     sel_len = selection_lengths(lens, self.budget, self.keep_recent)
-    for li in range(cache.k.shape[0]):
-      idx = sorted_chunks(select_budget_chunks(cache.k[li], lens, self.budget, self.keep_recent))
-      k_sel, v_sel = gather_kv_chunks(cache.k[li], cache.v[li], idx, chunk_size=CHUNK)
+    for k_layer, v_layer in zip(cache.k, cache.v):
+      k_layer, v_layer = (x.transpose(0, 2, 1, 3) for x in (k_layer, v_layer))  # -> [B, S, Hkv, D], once
+      idx = sorted_chunks(select_budget_chunks(k_layer, lens, self.budget, self.keep_recent))
+      k_sel, v_sel = gather_kv_chunks(k_layer, v_layer, idx, chunk_size=CHUNK)
       ks.append(k_sel)
       vs.append(v_sel)
     pos = chunk_positions(idx, CHUNK)[:, 0]  # identical counts on every layer and head
@@ -128,7 +129,7 @@ class BudgetDrafter:
     cfg = model.cfg
     tail = (cfg.num_hidden_layers, b, self.tail_tokens, cfg.num_key_value_heads, cfg.head_dim)
     return BudgetState(k_sel=jnp.stack(ks), v_sel=jnp.stack(vs), num_sel=num_sel,
-                       k_tail=jnp.zeros(tail, cache.k.dtype), v_tail=jnp.zeros(tail, cache.v.dtype),
+                       k_tail=jnp.zeros(tail, cache.k[0].dtype), v_tail=jnp.zeros(tail, cache.v[0].dtype),
                        tail_pos=jnp.full((b, self.tail_tokens), -1, jnp.int32), prompt_lens=lens)
 
   def forward(self, params, state: BudgetState, tokens, positions, write, logits_at=None):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.attention import NEG_INF, cached_attention, causal_attention
+from longspec_jax.attention import NEG_INF, causal_attention, extend_attention
 from longspec_jax.config import ModelConfig
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.kv_cache import KVCache
@@ -108,20 +108,17 @@ def run_cached(net: Eagle3Net, embeds, feature, positions, cache: KVCache, mode:
   q, k, v = layer.self_attn.qkv(x, positions, rope_frequencies(net.cfg, jnp.max(positions)))
   q = _scale_queries(q, positions, sharpdraft)
   if mode == "prefill":
-    ck = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), (0, 0, 0, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), (0, 0, 0, 0, 0))
+    cache = cache.write_prefix(0, k, v)
     o = causal_attention(q, k, v, block=attn_block)
   else:
-    rows = jnp.arange(x.shape[0])[:, None]
-    ck = cache.k.at[0, rows, positions].set(k.astype(cache.k.dtype), mode="drop")
-    cv = cache.v.at[0, rows, positions].set(v.astype(cache.v.dtype), mode="drop")
-    o = cached_attention(q, ck[0].astype(q.dtype), cv[0].astype(q.dtype), positions)
-  return layer.out(residual, o), cache.replace(k=ck, v=cv)
+    o = extend_attention(q, k, v, cache.k[0], cache.v[0], positions)
+    cache = cache.write(0, k, v, positions)
+  return layer.out(residual, o), cache
 
 
 @flax.struct.dataclass
 class Eagle3State:
-  cache: KVCache  # [1, B, S_max, Hkv, D]; lengths = rows holding real features (= num_tokens - 1)
+  cache: KVCache  # one layer; lengths = rows holding real features (= num_tokens - 1)
   hidden: jax.Array  # [B, H] output hidden state of the last real row (num_tokens - 2)
 
 

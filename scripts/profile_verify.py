@@ -1,0 +1,162 @@
+"""Where a target pass of T rows over a cache of S positions spends its time (decode: T = 1; verification:
+T = K + 1), next to the memory and compute floors of this machine.
+
+For each context S and row count T, timed as jitted programs on a donated cache (as inside the decode loop),
+interleaved and repeated (medians, ms):
+  pass       the whole "extend" pass: every layer, the cache write, the LM head over T rows
+  layers     the same pass over a 64-position cache: weights, projections, MLP (attention over the cache ~0)
+  attention  every layer's attention over S cached positions + its cache write alone (`extend_attention`,
+             `KVCache.write`)
+  lm_head    final norm + LM head over T rows
+and the floors: bytes that must be read (weights + the K/V of S positions) / measured read bandwidth, and FLOPs
+(2 x params x T + attention 4 x T x Hq x S x D x L) / measured peak matmul throughput. A pass cannot beat the larger
+of the two; on a CPU the two costs mostly add up (the same cores load and multiply).
+
+  python scripts/profile_verify.py --model smollm2-135m --contexts 1024,4096,8192 --rows 1,9,16 --out results/verify_profile/smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax.attention import extend_attention
+from longspec_jax.kv_cache import COMPILER_OPTIONS
+from longspec_jax.model import param_count
+from longspec_jax.targets import load_target, parse_rope_scaling
+
+SMALL_CACHE = 64
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+  """Median ms of each zero-argument function, calls interleaved so that machine noise hits all alike."""
+  for f in fns.values():
+    jax.block_until_ready(f())
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, f in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(f())
+      times[name].append(1000 * (time.perf_counter() - t0))
+  return {name: statistics.median(v) for name, v in times.items()}
+
+
+def machine_floors(repeats: int) -> dict:
+  """Read bandwidth (GB/s: a reduction over 256 MB, far past the caches) and fp32 matmul throughput (GFLOP/s: a
+  [256, 1024] x [1024, 1024] product, large enough to run at the machine's peak)."""
+  big = jnp.ones((64 * 2 ** 20,), jnp.float32)
+  x, w = jnp.ones((256, 1024), jnp.float32), jnp.ones((1024, 1024), jnp.float32)
+  read = jax.jit(lambda a: a.sum())
+  mm = jax.jit(lambda x, w: x @ w)
+  ms = interleaved_medians({"read": lambda: read(big), "mm": lambda: mm(x, w)}, repeats)
+  return {"read_gb_per_s": big.nbytes / ms["read"] / 1e6, "matmul_gflop_per_s": 2 * x.size * w.shape[1] / ms["mm"] / 1e6}
+
+
+def filled_cache(model, s: int, t: int):
+  cache = model.init_cache(1, s + t)
+  fill = lambda bufs, seed: tuple(0.1 * jax.random.normal(jax.random.key(seed + i), x.shape, x.dtype)
+                                  for i, x in enumerate(bufs))
+  return cache.replace(k=fill(cache.k, 0), v=fill(cache.v, 1000), lengths=jnp.array([s], jnp.int32))
+
+
+def profile(model, contexts, rows, repeats: int) -> list[dict]:
+  cfg = model.cfg
+  graphdef, params = nnx.split(model)
+
+  def pass_fn(params, cache, tokens):
+    out = nnx.merge(graphdef, params)(tokens, cache=cache, mode="extend")
+    return out.logits, out.cache
+
+  def attention_fn(cache, q, k, positions):
+    outs = []
+    for layer in range(cfg.num_hidden_layers):
+      outs.append(extend_attention(q, k, k, cache.k[layer], cache.v[layer], positions))
+      cache = cache.write(layer, k, k, positions)
+    return jnp.stack(outs), cache
+
+  def lm_head_fn(params, h):
+    m = nnx.merge(graphdef, params)
+    return m.logits_from_hidden(m.norm(h))
+
+  run_pass = jax.jit(pass_fn, donate_argnums=(1,), compiler_options=COMPILER_OPTIONS)
+  run_attention = jax.jit(attention_fn, donate_argnums=(0,), compiler_options=COMPILER_OPTIONS)
+  run_lm_head = jax.jit(lm_head_fn)
+  n_params = param_count(model)
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  rows_out = []
+  for s in contexts:
+    for t in rows:
+      tokens = jnp.ones((1, t), jnp.int32)
+      state = {"full": filled_cache(model, s, t), "small": filled_cache(model, SMALL_CACHE, t),
+               "attn": filled_cache(model, s, t)}
+      q = 0.1 * jnp.ones((1, t, cfg.num_attention_heads, cfg.head_dim), model.dtype)
+      k = 0.1 * jnp.ones((1, t, cfg.num_key_value_heads, cfg.head_dim), model.dtype)
+      positions = jnp.full((1, t), s, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+      h = jnp.ones((1, t, cfg.hidden_size), model.dtype)
+
+      def call(kind):
+        def go():
+          if kind == "attention":
+            out, state["attn"] = run_attention(state["attn"], q, k, positions)
+            return out
+          out, state[kind] = run_pass(params, state[kind], tokens)
+          return out
+        return go
+
+      ms = interleaved_medians({"pass": call("full"), "layers": call("small"), "attention": call("attention"),
+                                "lm_head": lambda: run_lm_head(params, h)}, repeats)
+      kv_bytes = sum(x.nbytes for x in state["full"].k + state["full"].v)
+      attn_flops = 4 * t * cfg.num_attention_heads * s * cfg.head_dim * cfg.num_hidden_layers
+      rows_out.append({"context": s, "rows": t, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
+                       "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+                       "flops": 2 * n_params * t + attn_flops})
+  return rows_out
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", default=None, help="named target or HF directory (default: the shipped target)")
+  p.add_argument("--rope-scaling", default=None, help="e.g. yarn:2 for SmolLM2-135M past 8K")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache")
+  p.add_argument("--contexts", default="1024,4096,8192")
+  p.add_argument("--rows", default="1,9,16")
+  p.add_argument("--repeats", type=int, default=9)
+  p.add_argument("--out", default=None, help="write the table as JSON here")
+  a = p.parse_args()
+  parse_rope_scaling(a.rope_scaling)
+  model = load_target(a.model, rope_scaling=a.rope_scaling, dtype=a.dtype)
+  contexts = [int(x) for x in a.contexts.split(",")]
+  rows = [int(x) for x in a.rows.split(",")]
+  floors = machine_floors(a.repeats)
+  table = profile(model, contexts, rows, a.repeats)
+  decode_ms = {r["context"]: r["pass_ms"] for r in table if r["rows"] == 1}
+  print(f"machine: read {floors['read_gb_per_s']:.1f} GB/s, fp32 matmul {floors['matmul_gflop_per_s']:.0f} GFLOP/s; "
+        f"model {a.model or 'shipped'} {a.dtype}")
+  print(f"{'ctx':>6} {'rows':>4} {'pass':>7} {'layers':>7} {'attn':>7} {'lm_head':>7} {'x decode':>8} "
+        f"{'mem floor':>9} {'flop floor':>10}")
+  for r in table:
+    r["mem_floor_ms"] = round((r["weight_bytes"] + r["kv_bytes"]) / floors["read_gb_per_s"] / 1e6, 2)
+    r["flop_floor_ms"] = round(r["flops"] / floors["matmul_gflop_per_s"] / 1e6, 2)
+    r["over_decode"] = round(r["pass_ms"] / decode_ms[r["context"]], 3) if r["context"] in decode_ms else None
+    print(f"{r['context']:>6} {r['rows']:>4} {r['pass_ms']:>7.1f} {r['layers_ms']:>7.1f} {r['attention_ms']:>7.1f} "
+          f"{r['lm_head_ms']:>7.1f} {r['over_decode'] or float('nan'):>8.2f} {r['mem_floor_ms']:>9.1f} "
+          f"{r['flop_floor_ms']:>10.1f}")
+  if a.out:
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"model": a.model or "shipped", "rope_scaling": a.rope_scaling,
+                                       "dtype": a.dtype, "machine": platform.machine(), "cpus": jax.device_count(),
+                                       "jax": jax.__version__, **floors, "table": table}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
