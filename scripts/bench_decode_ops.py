@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inference.bench import _timed
+from longspec_jax.inference.bench import _timed
 from longspec_jax.attention import cached_attention, masked_attention
 from longspec_jax.sampling import SamplingParams, processed_log_probs, sample_token
 

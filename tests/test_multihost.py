@@ -51,7 +51,7 @@ def _train(config: Path, out: Path, processes: int, *extra: str) -> list[str]:
     port = _free_port()
     launches = [["--coordinator", f"localhost:{port}", "--num-processes", str(processes), "--process-id", str(i)]
                 for i in range(processes)]
-  procs = [subprocess.Popen([sys.executable, "-m", "inference.cli", *dist, *cmd], cwd=ROOT, env=env,
+  procs = [subprocess.Popen([sys.executable, "-m", "longspec_jax.inference.cli", *dist, *cmd], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for dist in launches]
   outs = []
   for p in procs:
@@ -102,7 +102,7 @@ import json, sys
 from longspec_jax.distributed import host_values, initialize, is_main_process
 initialize(sys.argv[1], 2, int(sys.argv[2]))
 import jax
-from inference.functional import output_stats, output_tokens, place_generation, prepare_generation
+from longspec_jax.inference.functional import output_stats, output_tokens, place_generation, prepare_generation
 from longspec_jax import sharding as shd
 from longspec_jax.drafters.standalone import standalone_from_model
 from longspec_jax.model import create_model
@@ -127,7 +127,7 @@ print("TOKENS", json.dumps(res))
 
 @pytest.mark.slow
 def test_two_process_generate_equals_single_process():
-  from inference.generate import generate
+  from longspec_jax.inference.generate import generate
   from longspec_jax.drafters.standalone import standalone_from_model
   from longspec_jax.model import create_model
   from tests.test_functional import _cfg, _prompts
@@ -159,7 +159,7 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidde
 
 
 def test_memory_estimate_qwen3_8b(tmp_path, capsys):
-  from inference.cli import main
+  from longspec_jax.inference.cli import main
   (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
   out = tmp_path / "m.json"
   assert main(["memory", "--config", str(tmp_path), "--slice", "v5litepod-16", "--context", "32768", "--batch",
@@ -179,7 +179,7 @@ def test_memory_estimate_qwen3_8b(tmp_path, capsys):
 
 
 def test_distributed_flags_are_checked(capsys):
-  from inference.cli import main
+  from longspec_jax.inference.cli import main
   assert main(["--coordinator", "localhost:1", "generate", "--prompt", "x"]) == 2
   assert "give all of coordinator, num_processes and process_id" in capsys.readouterr().err
   assert main(["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2", "generate",

@@ -31,11 +31,11 @@ from longspec_jax.attention import causal_attention, masked_attention
 from longspec_jax.drafters.budget import CHUNK, check_budget, select_budget_chunks, selection_lengths
 from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
-from pallas_kernels.query_scaled_attention.reference import chunk_key_mask
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.train_drafter import _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.pallas_kernels.query_scaled_attention.reference import chunk_key_mask
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.train_drafter import _target_config
+from longspec_jax.training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
 
 
 @dataclasses.dataclass(frozen=True)

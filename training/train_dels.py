@@ -30,11 +30,11 @@ from longspec_jax.drafters.dels import (DeLSConfig, combine, local_block_logits,
                                         unigram_log_prior)
 from longspec_jax.drafters.dflash import load_dflash_model, target_io
 from longspec_jax.hf_io import load_model_dir
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.train_dflash import BlockSampler, dflash_train_logits, make_tap_fn
-from training.train_drafter import _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.train_dflash import BlockSampler, dflash_train_logits, make_tap_fn
+from longspec_jax.training.train_drafter import _target_config
+from longspec_jax.training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,10 +27,10 @@ from longspec_jax.drafters.dflash import (DFlashModel, create_dflash, dflash_con
                                           head_logits, save_dflash_dir, target_io)
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.train_drafter import _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.train_drafter import _target_config
+from longspec_jax.training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
 
 
 @dataclasses.dataclass(frozen=True)

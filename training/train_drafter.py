@@ -26,9 +26,9 @@ from longspec_jax.config import ModelConfig
 from longspec_jax.distributed import host_values, is_main_process
 from longspec_jax.kv_cache import KVCache
 from longspec_jax.model import create_model, default_target_config, param_count
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
 
 # The PARD drafter's architecture (Qwen3-style, ~1.5M parameters at vocab 8192, most of them the tied embedding).
 DRAFTER_ARCH = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,

@@ -29,9 +29,9 @@ from longspec_jax.drafters.eagle3 import (Eagle3Net, create_eagle3_net, default_
                                           save_eagle3)
 from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.train_drafter import _split_rows, _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.train_drafter import _split_rows, _target_config
+from longspec_jax.training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,11 +37,11 @@ from longspec_jax.drafters.longspark import (LongSparkModel, _final_norm, create
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
 from longspec_jax.rope import apply_rope, rope_frequencies
-from pallas_kernels.query_scaled_attention import merge_attention_views
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.train_drafter import _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_views
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.train_drafter import _target_config
+from longspec_jax.training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
 
 CACHE_VERSION = 1
 

@@ -14,9 +14,9 @@ from flax import nnx
 from longspec_jax import sharding as shd
 from longspec_jax.model import create_model, default_target_config
 from longspec_jax.tokenizer import load_tokenizer, special_token_ids
-from training.data import TokenStream, load_corpus, tokenize_split
-from training.losses import cross_entropy
-from training.trainer import (Checkpointer, OptimConfig, Stage, TrainState, make_optimizer, start_or_resume,
+from longspec_jax.training.data import TokenStream, load_corpus, tokenize_split
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.trainer import (Checkpointer, OptimConfig, Stage, TrainState, make_optimizer, start_or_resume,
                               make_train_step, stage_at, train_loop)
 
 
@@ -114,7 +114,7 @@ def train_target(cfg: TargetTrainConfig, resume: bool = True) -> Path:
 def export_final(model, cfg: TargetTrainConfig, stream: TokenStream) -> Path:
   """HF directory with the tokenizer and the training split's unigram log-probs (the eval baseline, and the
   prior DeLS-Spec subtracts)."""
-  from inference.eval_target import unigram_log_probs
+  from longspec_jax.inference.eval_target import unigram_log_probs
   from longspec_jax.hf_io import save_model_dir
   final = save_model_dir(model, Path(cfg.out_dir) / "final", tokenizer_dir=cfg.tokenizer_dir,
                          dtype=jnp.bfloat16)
