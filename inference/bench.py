@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inference.generate import cache_len_for, generate, pad_prompts
-from longspec_jax.drafters import build_drafter
+from longspec_jax.inference.generate import cache_len_for, generate, pad_prompts
+from longspec_jax.drafters import load_drafter as build_drafter
 from longspec_jax.drafters.base import (DEFAULT_NUM_DRAFT, PrefillResult, ProposeContext, default_num_draft,
                                        state_nbytes)
 from longspec_jax.kv_cache import COMPILER_OPTIONS

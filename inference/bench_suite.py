@@ -36,8 +36,8 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from inference.generate import ar_decode_program, ar_start_state, cache_len_for
-from inference.speculative import spec_decode_program, spec_sizes, spec_start_state, spec_stats
+from longspec_jax.inference.generate import ar_decode_program, ar_start_state, cache_len_for
+from longspec_jax.inference.speculative import spec_decode_program, spec_sizes, spec_start_state, spec_stats
 from longspec_jax.drafters.base import ProposeContext, state_nbytes
 from longspec_jax.kv_cache import COMPILER_OPTIONS
 
@@ -71,32 +71,32 @@ class MethodSpec:
   name: str  # a `longspec_jax.drafters` method name, or "ar"
   num_draft: int
   drafter_dir: str | None
-  options: tuple[tuple[str, object], ...]  # keyword arguments of build_drafter
+  options: tuple[tuple[str, object], ...]  # keyword arguments of load_drafter
 
   @property
   def slug(self) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", self.text.replace(":", "__").replace("=", "-"))
 
 
-def _build_drafter_options() -> tuple[set[str], bool]:
-  """build_drafter's keyword options (besides the method name, the target and the drafter directory), and whether
+def _drafter_options() -> tuple[set[str], bool]:
+  """load_drafter's keyword options (besides the method name, the target and the drafter directory), and whether
   it takes any keyword (**kwargs): methods added later bring their own options without a change here."""
-  from longspec_jax.drafters import build_drafter
-  params = inspect.signature(build_drafter).parameters
+  from longspec_jax.drafters import load_drafter
+  params = inspect.signature(load_drafter).parameters
   named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
   return named - {"name", "target", "drafter_dir"}, any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def parse_method(text: str, default_num_draft: int) -> MethodSpec:
   """`NAME[:key=value[,key=value...]]`, values read as YAML scalars. `num_draft=K` sets K for this method,
-  `drafter=DIR` its checkpoint; every other key goes to `build_drafter` (e.g. `dflash:sharpdraft=fixed`)."""
+  `drafter=DIR` its checkpoint; every other key goes to `load_drafter` (e.g. `dflash:sharpdraft=fixed`)."""
   from longspec_jax.drafters import method_names
   if not isinstance(text, str) or not text.strip():
     raise ValueError(f"a method must be a non-empty string like 'dflash' or 'dflash:sharpdraft=fixed', got {text!r}")
   name, _, rest = text.strip().partition(":")
   if name not in method_names():
     raise ValueError(f"method {text!r}: unknown method {name!r}; known methods: {', '.join(method_names())}")
-  named, any_kw = _build_drafter_options()
+  named, any_kw = _drafter_options()
   num_draft, drafter_dir, options = default_num_draft, None, {}
   for item in filter(None, re.split(r"[,:]", rest)):
     key, eq, raw = item.partition("=")
@@ -450,7 +450,7 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
   from tqdm import tqdm
 
   from longspec_jax import long_doc_paths
-  from longspec_jax.drafters import build_drafter
+  from longspec_jax.drafters import load_drafter
   from longspec_jax.sampling import SamplingParams
 
   methods = validate(cfg)
@@ -505,7 +505,7 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
       for m in {u[3].text: u[3] for u in units if u[3].name != "ar"}.values():
         if m.text not in drafters and m.text not in failed:
           try:
-            d = build_drafter(m.name, model, m.drafter_dir, **dict(m.options))
+            d = load_drafter(m.name, model, m.drafter_dir, **dict(m.options))
             spec_sizes(mcfg, d.spec, max(cfg.contexts), cfg.new_tokens, m.num_draft)  # vocabulary, fit
             drafters[m.text] = d
           except (ValueError, FileNotFoundError) as e:

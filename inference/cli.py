@@ -86,7 +86,7 @@ def cmd_generate(a) -> int:
     raise ValueError("the prompt is empty")
   log = progress(a)
   log("importing jax")
-  from inference.generate import generate
+  from longspec_jax.inference.generate import generate
 
   model_dir = _model_dir(a.model)
   log(f"loading the target from {model_dir}")
@@ -100,7 +100,7 @@ def cmd_generate(a) -> int:
       "the prefill and decode programs)")
   stats = {}
   if a.stats:
-    from inference.bench import decode_rate
+    from longspec_jax.inference.bench import decode_rate
     # A compiling call, then medians of 3 (prefill and decode programs timed apart).
     res, tps, prefill_s, _ = decode_rate(model, [ids], a.max_new_tokens, 3, **sampling)
     stats = {"prompt_len": len(ids), "new_tokens": len(res.tokens[0]), "prefill_ms": 1000 * prefill_s,
@@ -120,7 +120,7 @@ def cmd_generate(a) -> int:
 
 
 def cmd_corpus(a) -> int:
-  from training.data import CorpusConfig, build_corpus
+  from longspec_jax.training.data import CorpusConfig, build_corpus
   out = build_corpus(a.out, CorpusConfig())
   print((out / "manifest.json").read_text())
   return 0
@@ -128,7 +128,7 @@ def cmd_corpus(a) -> int:
 
 def cmd_tokenizer(a) -> int:
   from longspec_jax.tokenizer import save_hf_tokenizer, train_bpe
-  from training.data import load_corpus
+  from longspec_jax.training.data import load_corpus
   texts = load_corpus(a.corpus)["train"]["text"]
   save_hf_tokenizer(train_bpe(texts, a.vocab_size), a.out)
   print(f"wrote {a.out}/tokenizer.json")
@@ -137,7 +137,7 @@ def cmd_tokenizer(a) -> int:
 
 def cmd_train_target(a) -> int:
   from longspec_jax.yaml_config import load_yaml
-  from training.train_target import TargetTrainConfig, train_target
+  from longspec_jax.training.train_target import TargetTrainConfig, train_target
   cfg = load_yaml(TargetTrainConfig, a.config, a.set)
   print(train_target(cfg, resume=not a.no_resume))
   return 0
@@ -152,7 +152,7 @@ def cmd_export_hf(a) -> int:
 
 
 def cmd_eval_target(a) -> int:
-  from inference.eval_target import evaluate_position_buckets, load_unigram, unigram_log_probs
+  from longspec_jax.inference.eval_target import evaluate_position_buckets, load_unigram, unigram_log_probs
   from longspec_jax import long_doc_paths
 
   files = [Path(f) for f in a.text_file] if a.text_file else long_doc_paths()
@@ -191,7 +191,7 @@ def cmd_bench(a) -> int:
     raise ValueError("--peer transformers needs torch: pip install -e \".[test]\"")
   log = progress(a)
   log("importing jax")
-  from inference.bench import bench_prompts, run_bench, transformers_peers
+  from longspec_jax.inference.bench import bench_prompts, run_bench, transformers_peers
   from longspec_jax.config import ModelConfig
   from longspec_jax.tokenizer import load_tokenizer
 
@@ -225,7 +225,7 @@ def cmd_memory(a) -> int:
   path = path / "config.json" if path.is_dir() else path
   if not path.is_file():
     raise FileNotFoundError(f"HF config {path} not found")
-  from inference.memory import estimate, table
+  from longspec_jax.inference.memory import estimate, table
   from longspec_jax.config import ModelConfig
 
   res = estimate(ModelConfig.from_json_file(path), a.slice, a.context, a.batch, a.dtype)
@@ -258,7 +258,7 @@ def cmd_import_gguf(a) -> int:
 
 
 def cmd_bench_suite(a) -> int:
-  from inference.bench_suite import load_config, run_suite
+  from longspec_jax.inference.bench_suite import load_config, run_suite
   cfg = load_config(a.config, a.set)
   out = Path(a.out) if a.out else Path("results/bench_suite") / Path(a.config).stem
   command = " ".join(["longspec bench-suite", "--config", a.config, *(f"--set {s}" for s in a.set),
@@ -393,10 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
   bs.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
   bs.set_defaults(fn=cmd_bench_suite)
 
-  from training.calibrate_sharpdraft import add_subcommand
+  from longspec_jax.training.calibrate_sharpdraft import add_subcommand
   add_subcommand(sub)  # calibrate-sharpdraft
 
-  from training.cli_drafter import add_subcommands
+  from longspec_jax.training.cli_drafter import add_subcommands
   add_subcommands(sub)  # make-drafter-data, train-drafter
   return p
 

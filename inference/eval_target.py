@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from training.losses import per_token_nll
+from longspec_jax.training.losses import per_token_nll
 
 BUCKETS = (("0-1K", 0, 1024), ("1-2K", 1024, 2048), ("2-4K", 2048, 4096), ("4-8K", 4096, 8192),
            ("8-16K", 8192, 16384))

@@ -32,8 +32,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from inference.generate import _ar_decode, _ar_prefill, ar_sizes, pad_prompts, validate_prompts
-from inference.speculative import _spec_decode, _spec_prefill, spec_sizes, spec_stats
+from longspec_jax.inference.generate import _ar_decode, _ar_prefill, ar_sizes, pad_prompts, validate_prompts
+from longspec_jax.inference.speculative import _spec_decode, _spec_prefill, spec_sizes, spec_stats
 from longspec_jax import sharding as shd
 from longspec_jax.kv_cache import COMPILER_OPTIONS
 from longspec_jax.sampling import SamplingParams

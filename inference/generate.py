@@ -163,7 +163,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, 
   eos = -1 if eos is None else eos
   sp = SamplingParams.make(temperature, top_k, top_p)
   if drafter is not None:
-    from inference.speculative import speculative_generate
+    from longspec_jax.inference.speculative import speculative_generate
     from longspec_jax.drafters.base import LoadedDrafter
     if not isinstance(drafter, LoadedDrafter):
       drafter = LoadedDrafter(drafter)

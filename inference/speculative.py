@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.generate import GenerationResult, cache_len_for, pad_prompts, timed_prefill_decode
+from longspec_jax.inference.generate import GenerationResult, cache_len_for, pad_prompts, timed_prefill_decode
 from longspec_jax.drafters.base import LoadedDrafter, PrefillResult, ProposeContext, VerifyResult
 from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
 from longspec_jax.sampling import SamplingParams, sample_token

@@ -1,6 +1,6 @@
 """Multi-process (multi-host) runs: one JAX process per host joined by `jax.distributed`, one mesh over every
-process's devices. The same program runs on every host (SPMD); each host feeds only its own rows of the global
-batch (`sharding.global_batch`), and orbax checkpoints are written by all processes together.
+process's devices. The same program runs on every host (SPMD); each host builds and feeds only its own rows of
+the global batch (`sharding.process_batch`), and orbax checkpoints are written by all processes together.
 
 On a Cloud TPU slice `jax.distributed.initialize()` reads the coordinator, process count and process id from the
 TPU environment; elsewhere (CPU or GPU clusters, the two-process test) they come from flags. On CPU the processes

@@ -4,6 +4,8 @@ dimensions (heads, MLP, vocab) to "model"."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import numpy as np
 from flax import nnx
@@ -44,19 +46,26 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def global_batch(batch, mesh: Mesh):
-  """A host batch (every leaf [B, ...], the same global batch on every process) -> jax.Arrays sharded on "data".
-  With several processes each one hands over only the rows its own devices hold, via
-  `jax.make_array_from_process_local_data`; a single process device_puts the whole batch."""
+def process_batch(build_rows: Callable[[slice], Any], batch_size: int, mesh: Mesh):
+  """The global batch (every leaf [batch_size, ...]) as jax.Arrays sharded on "data", each process building only
+  the rows its own devices hold: `build_rows(rows)` returns rows[lo:hi] of every leaf of the global batch, and
+  `jax.make_array_from_process_local_data` assembles the processes' parts (one process builds every row)."""
   sharding = batch_sharding(mesh)
+  lo, hi = process_rows(sharding, (batch_size,))
 
   def one(x):
     x = np.asarray(x)
-    if jax.process_count() == 1:
-      return jax.device_put(x, sharding)
-    lo, hi = process_rows(sharding, x.shape)
-    return jax.make_array_from_process_local_data(sharding, x[lo:hi], x.shape)
-  return jax.tree.map(one, batch)
+    if x.shape[0] != hi - lo:
+      raise ValueError(f"build_rows returned {x.shape[0]} rows for rows [{lo}, {hi}) of the global batch")
+    return jax.make_array_from_process_local_data(sharding, x, (batch_size, *x.shape[1:]))
+  return jax.tree.map(one, build_rows(slice(lo, hi)))
+
+
+def global_batch(batch, mesh: Mesh):
+  """A host batch that every process holds whole (every leaf [B, ...]) -> jax.Arrays sharded on "data", each
+  process handing over only its own rows."""
+  size = len(jax.tree.leaves(batch)[0])
+  return process_batch(lambda rows: jax.tree.map(lambda x: np.asarray(x)[rows], batch), size, mesh)
 
 
 def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[int, int]:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longspec_jax.hf_io import weights_sha256
-from pallas_kernels.query_scaled_attention.reference import sharpdraft_rho
+from longspec_jax.pallas_kernels.query_scaled_attention.reference import sharpdraft_rho
 
 from longspec_jax.sharpdraft_names import ALPHA_RULES, CHOICES, GRANULARITIES, RULES, SHARPDRAFT_FILE  # noqa: F401
 FORMAT_VERSION = 1

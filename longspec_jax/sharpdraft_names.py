@@ -2,7 +2,7 @@
 (`longspec --help` stays fast). `longspec_jax.sharpdraft` re-exports them."""
 
 RULES = ("exact", "fixed")
-CHOICES = ("off",) + RULES  # the `--sharpdraft` / `build_drafter(sharpdraft=)` values
+CHOICES = ("off",) + RULES  # the `--sharpdraft` / `load_drafter(sharpdraft=)` values
 GRANULARITIES = ("drafter", "layer", "head")
 ALPHA_RULES = ("tangent", "fit")
 SHARPDRAFT_FILE = "sharpdraft.json"

@@ -126,3 +126,10 @@ def load_target(name_or_dir: str | os.PathLike | None = None, *, rope_scaling: s
   jdtype = jnp.dtype(dtype)
   return load_model_dir(path, config_fn=lambda c: with_rope_scaling(c, rope_scaling), dtype=jdtype,
                         param_dtype=jdtype)
+
+
+def load_tokenizer(name_or_dir: str | os.PathLike | None = None, *, show_progress: bool = True):
+  """The `tokenizers.Tokenizer` of a target: the same name, directory or None (the shipped default) as
+  `load_target`."""
+  from longspec_jax.tokenizer import load_tokenizer as load_tokenizer_file
+  return load_tokenizer_file(resolve_target_dir(name_or_dir, show_progress=show_progress))

@@ -4,8 +4,12 @@ Each kernel has a jnp reference, a TPU (Mosaic) and a GPU (Triton) kernel, and a
 `jax.default_backend()` and falls back to the reference on CPU (see docs/kernels.md).
 """
 
-from pallas_kernels._common import BlockSizes, check_lowering, num_selected_chunks
-from pallas_kernels.query_scaled_attention import (
+from longspec_jax import check_namespaced
+
+check_namespaced(__name__)
+
+from longspec_jax.pallas_kernels._common import BlockSizes, check_lowering, num_selected_chunks
+from longspec_jax.pallas_kernels.query_scaled_attention import (
     chunk_positions,
     merge_attention_views,
     query_scaled_attention,
@@ -13,7 +17,7 @@ from pallas_kernels.query_scaled_attention import (
     select_chunks,
     sharpdraft_rho,
 )
-from pallas_kernels.sparse_kv_gather import (
+from longspec_jax.pallas_kernels.sparse_kv_gather import (
     gather_kv_chunks,
     reference_gather_kv_chunks,
     reference_sparse_chunk_attention,

@@ -4,8 +4,9 @@ acceptance and draft ms per step, at several contexts, greedy and sampled.
 Prompts: `--cuts` windows of each document per context ([BOS] + `context - 1` tokens starting at evenly spaced
 offsets). DeLS carries DFlash's state unchanged, so each prompt is prefilled ONCE (the engine's prefill program,
 greedy first token) and that state is decoded by every (method, temperature) pair: the decode loops are the
-engine's own (`inference.speculative`), the comparison is paired, and prefill CPU time is not repeated. Draft ms per
-step: `inference.bench.profile_step` on the first prompt of each context, both methods in this process.
+engine's own (`longspec_jax.inference.speculative`), the comparison is paired, and prefill CPU time is not
+repeated. Draft ms per step: `longspec_jax.inference.bench.profile_step` on the first prompt of each context,
+both methods in this process.
 
   python scripts/bench_dels.py --out results/dels/bench.json --plot results/dels/accept_per_position.png
 """
@@ -22,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.bench import profile_step
-from inference.generate import cache_len_for, pad_prompts
-from inference.speculative import spec_decode_program, spec_prefill_program
+from longspec_jax.inference.bench import profile_step
+from longspec_jax.inference.generate import cache_len_for, pad_prompts
+from longspec_jax.inference.speculative import spec_decode_program, spec_prefill_program
 from longspec_jax import default_target_dir, long_doc_paths
-from longspec_jax.drafters import build_drafter
+from longspec_jax.drafters import load_drafter
 from longspec_jax.drafters.base import LoadedDrafter, ProposeContext
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.sampling import SamplingParams
@@ -75,7 +76,7 @@ def main():
   cfg = model.cfg
   files = long_doc_paths()[:a.docs]
   docs = [tok.encode(f.read_text()).ids for f in files]
-  dels = build_drafter("dels", model, a.dels_dir)
+  dels = load_drafter("dels", model, a.dels_dir)
   methods = {"dflash": LoadedDrafter(dels.spec.base, dels.params["base"]), "dels": dels}
   graphdef, params = nnx.split(model)
   k = a.num_draft

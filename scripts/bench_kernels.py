@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import gather_kv_chunks, num_selected_chunks, query_scaled_attention, sparse_chunk_attention
+from longspec_jax.pallas_kernels import (gather_kv_chunks, num_selected_chunks, query_scaled_attention,
+                                        sparse_chunk_attention)
 
 KERNELS = ("qsa_dense", "qsa_topk", "gather", "sparse_attn")
 

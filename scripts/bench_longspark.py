@@ -4,8 +4,9 @@ Prompts: for each context, `--prompts` cut points spread over the documents (doc
 evenly spaced offsets), each [BOS] + the next context-1 tokens. Per prompt and method: one greedy (or sampled)
 generation of --new-tokens (the first prompt of each context is run once more first, untimed, to compile): tau,
 per-position acceptance, decode tokens/s, exact match with AR. Per context and method, on the first prompt: draft
-and verify ms per step (`inference.bench.profile_step`), drafter state bytes, and for LongSpark the attention mass
-its block queries put on each view (Global, Raw, Local). Mean tau with a 95% bootstrap interval over prompts.
+and verify ms per step (`longspec_jax.inference.bench.profile_step`), drafter state bytes, and for LongSpark the
+attention mass its block queries put on each view (Global, Raw, Local). Mean tau with a 95% bootstrap interval over
+prompts.
 
   python scripts/bench_longspark.py --contexts 512 1024 4096 8192 16384 --prompts 8 --out results/longspark/greedy
 """
@@ -22,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.bench import profile_step
-from inference.generate import cache_len_for, generate, pad_prompts
+from longspec_jax.inference.bench import profile_step
+from longspec_jax.inference.generate import cache_len_for, generate, pad_prompts
 from longspec_jax import ASSETS_DIR, default_target_dir
-from longspec_jax.drafters import build_drafter
+from longspec_jax.drafters import load_drafter
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, state_nbytes
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.sampling import SamplingParams
@@ -222,7 +223,7 @@ def main(argv=None):
   model_dir = default_target_dir()
   model, tok = load_model_dir(model_dir), load_tokenizer(model_dir)
   docs = [tok.encode(p.read_text()).ids for p in sorted(DOCS_DIR.glob("*.txt"))]
-  drafters = {m: build_drafter(m, model, dirs.get(m)) for m in args.methods}
+  drafters = {m: load_drafter(m, model, dirs.get(m)) for m in args.methods}
   if args.draft_timing:
     m = args.methods[0]
     prompts = {c: cut_prompts(docs, c, 1, model.cfg.bos_token_id)[0]["ids"] for c in args.contexts}

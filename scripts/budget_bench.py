@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.generate import ar_decode_program, ar_prefill_program, cache_len_for, pad_prompts
-from inference.speculative import SpecState, spec_decode_program
+from longspec_jax.inference.generate import ar_decode_program, ar_prefill_program, cache_len_for, pad_prompts
+from longspec_jax.inference.speculative import SpecState, spec_decode_program
 from longspec_jax import default_target_dir, long_doc_paths
 from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, state_nbytes
@@ -55,8 +55,9 @@ def build_variant(name: str, trained: Path):
 def make_start():
   @partial(jax.jit, static_argnames=("drafter", "max_len", "num_draft"))
   def spec_start(dparams, drafter, tokens, lens, cache, first, max_len, num_draft):
-    # What the engine's spec prefill builds after its target prefill (inference.speculative._spec_prefill); the
-    # target cache and first token come from the AR prefill of the same prompts (greedy: identical).
+    # What the engine's spec prefill builds after its target prefill
+    # (longspec_jax.inference.speculative._spec_prefill); the target cache and first token come from the AR
+    # prefill of the same prompts (greedy: identical).
     b, t = tokens.shape
     buf = jnp.zeros((b, max_len), jnp.int32).at[:, :t].set(tokens).at[jnp.arange(b), lens].set(first)
     cache = jax.tree.map(jnp.copy, cache)  # the decode program donates its state

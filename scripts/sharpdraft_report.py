@@ -121,7 +121,7 @@ def measure_dilution(method: str, contexts: list[int], num_docs: int) -> dict:
   from flax import nnx
 
   from longspec_jax import default_target_dir, long_doc_paths
-  from longspec_jax.drafters import build_drafter, drafter_path
+  from longspec_jax.drafters import load_drafter, drafter_path
   from longspec_jax.hf_io import load_model_dir
   from longspec_jax.sharpdraft import SHARPDRAFT_FILE, load_sharpdraft, scaled_logits, top_k_mass
   from longspec_jax.tokenizer import load_tokenizer
@@ -136,7 +136,7 @@ def measure_dilution(method: str, contexts: list[int], num_docs: int) -> dict:
           "is no top-k mass to follow; skipped", file=sys.stderr)
     return None
   rules = {v: (load_sharpdraft(path, v) if v != "off" else None) for v in VARIANTS}
-  loaded = build_drafter(method, target)
+  loaded = load_drafter(method, target)
   graphdef, tparams = nnx.split(target)
   fn = jax.jit(lambda dp, tp, toks: loaded.spec.attention_logits(dp, nnx.merge(graphdef, tp), toks))
   bos = target.cfg.bos_token_id

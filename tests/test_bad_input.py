@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from inference.generate import generate
+from longspec_jax.inference.generate import generate
 from longspec_jax.config import ModelConfig
 from longspec_jax.hf_io import load_model_dir, save_model_dir
 from longspec_jax.sampling import SamplingParams

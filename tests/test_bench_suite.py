@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
-from inference.bench_suite import (SuiteConfig, bootstrap_ci, load_config, parse_method, ratio_of_rates, run_suite,
-                                   select_cuts)
-from inference.cli import main
+from longspec_jax.inference.bench_suite import (SuiteConfig, bootstrap_ci, load_config, parse_method, ratio_of_rates,
+                                                run_suite, select_cuts)
+from longspec_jax.inference.cli import main
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.hf_io import save_model_dir
 from longspec_jax.model import create_model
@@ -93,9 +93,9 @@ def test_suite_outputs_and_resume(env, tmp_path, capsys):
 
 def test_shared_prefill_matches_generate(env, tmp_path):
   """A drafter that reads target taps, started from the suite's shared prefill, decodes exactly as generate()."""
-  from inference.bench_suite import load_target, prompt_ids
-  from inference.generate import generate
-  from longspec_jax.drafters import build_drafter
+  from longspec_jax.inference.bench_suite import load_target, prompt_ids
+  from longspec_jax.inference.generate import generate
+  from longspec_jax.drafters import load_drafter
   d, docs = env
   drafter = f"dflash:drafter={d / 'dflash'}"
   cfg = load_config(_config(env, tmp_path, methods=[drafter], contexts=[64], num_prompts=4,
@@ -107,7 +107,7 @@ def test_shared_prefill_matches_generate(env, tmp_path):
   ids = [tok.encode(open(p).read()).ids for p in docs]
   cut = res["prompts"][0]
   prompt = prompt_ids(ids[[p.endswith(cut["doc"]) for p in docs].index(True)], cut["end_token"], 64, 0)
-  loaded = build_drafter("dflash", model, d / "dflash")
+  loaded = load_drafter("dflash", model, d / "dflash")
   want = generate(model, [prompt], max_new_tokens=8, drafter=loaded, num_draft_tokens=3, seed=0)
   rec = next(r for r in recs if r["prompt"] == 0)
   assert rec["tokens"] == want.tokens[0] and rec["tau"] == pytest.approx(want.stats["tau"])

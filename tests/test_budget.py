@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inference.generate import generate
+from longspec_jax.inference.generate import generate
 from longspec_jax.attention import masked_attention
 from longspec_jax.drafters.base import PrefillResult, state_nbytes
 from longspec_jax.drafters.budget import CHUNK, budget_from_model, select_budget_chunks
@@ -138,7 +138,7 @@ def _teacher_forced(spec, params, prompt, lens, cont):
 
 @pytest.mark.parametrize("keep_recent", [True, False])
 def test_training_forward_equals_inference_forward(keep_recent):
-  from training.train_budget import multiview_forward
+  from longspec_jax.training.train_budget import multiview_forward
   cfg = _cfg(layers=2)
   model = create_model(cfg, seed=4)
   rng = np.random.default_rng(2)
@@ -176,17 +176,17 @@ def test_bad_budget_is_one_clear_error(small_drafter):
 
 
 def test_budget_flag_only_for_budget_methods(target):
-  from longspec_jax.drafters import build_drafter
+  from longspec_jax.drafters import load_drafter
   with pytest.raises(ValueError, match="--budget applies to budget"):
-    build_drafter("standalone", target, budget=256)
+    load_drafter("standalone", target, budget=256)
   with pytest.raises(ValueError, match="SharpDraft scales drafter attention"):
-    build_drafter("budget", target, sharpdraft="fixed")
+    load_drafter("budget", target, sharpdraft="fixed")
 
 
 def test_shipped_budget_drafter_loads():
   from longspec_jax import default_target_dir
-  from longspec_jax.drafters import build_drafter
+  from longspec_jax.drafters import load_drafter
   from longspec_jax.hf_io import load_model_dir
   target = load_model_dir(default_target_dir())
-  d = build_drafter("budget", target, budget=64)
+  d = load_drafter("budget", target, budget=64)
   assert d.spec.budget == 64 and d.spec.keep_recent and d.spec.vocab_size == target.cfg.vocab_size

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from inference.cli import main
+from longspec_jax.inference.cli import main
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.hf_io import save_model_dir
 from longspec_jax.model import create_model

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from inference.cli import build_parser, main
+from longspec_jax.inference.cli import build_parser, main
 from longspec_jax.argtypes import nonneg_float, nonneg_int, positive_int, unit_float
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args, timeout=60):
-  return subprocess.run([sys.executable, "-m", "inference.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout)
+  return subprocess.run([sys.executable, "-m", "longspec_jax.inference.cli", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout)
 
 
 def _subparsers(parser):
@@ -94,7 +94,7 @@ def test_file_errors_in_words(tmp_path, capsys):
 
 
 def test_help_is_fast_and_imports_no_jax():
-  code = ("import sys, inference.cli as c; p = c.build_parser(); "
+  code = ("import sys, longspec_jax.inference.cli as c; p = c.build_parser(); "
           "assert 'jax' not in sys.modules and 'numpy' not in sys.modules, 'parser imports jax/numpy'; "
           "from longspec_jax.drafters import method_names; "
           "bench = [a for a in p._actions if hasattr(a, 'choices') and a.choices and 'bench' in a.choices][0]"

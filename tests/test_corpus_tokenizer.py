@@ -3,7 +3,7 @@
 import numpy as np
 
 from longspec_jax.tokenizer import MASK_TOKEN, load_tokenizer, save_hf_tokenizer, special_token_ids, train_bpe
-from training.data import CorpusConfig, TokenStream, build_corpus, load_corpus
+from longspec_jax.training.data import CorpusConfig, TokenStream, build_corpus, load_corpus
 
 
 def _fake_stdlib(root):

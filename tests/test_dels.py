@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inference.generate import generate
+from longspec_jax.inference.generate import generate
 from longspec_jax.drafters.base import PrefillResult, ProposeContext
 from longspec_jax.drafters.dels import (DeLSConfig, combine, decode_block, dels_from_head, head_shapes, load_dels,
                                         load_public_dels, load_public_local_head, local_block_logits, save_dels_dir,
@@ -20,8 +20,8 @@ from longspec_jax.sampling import SamplingParams, processed_log_probs
 from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample, peaky_target,
                                     target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
-from training.train_dels import DeLSTrainConfig, init_head_params, merge_head
-from training.train_dflash import dflash_train_logits
+from longspec_jax.training.train_dels import DeLSTrainConfig, init_head_params, merge_head
+from longspec_jax.training.train_dflash import dflash_train_logits
 
 BLOCK = 5
 
@@ -224,7 +224,7 @@ def test_train_dels_tunes_exports_and_resumes(env, tmp_path):  # noqa: F811
   bit-identical, alpha/beta land in the config, and the export is lossless through the engine."""
   from longspec_jax.hf_io import load_model_dir
   from longspec_jax.yaml_config import from_dict
-  from training.train_dels import train_dels
+  from longspec_jax.training.train_dels import train_dels
   tmp, data_cfg = env
   target = load_model_dir(tmp / "target")
   save_dflash_dir(create_dflash(dflash_config_for(target.cfg, num_layers=1, num_target_taps=2, block_size=4)),
@@ -257,9 +257,9 @@ def test_shipped_dels_loads_and_matches_its_base():
   """The shipped head names the shipped DFlash and was tuned on exactly its weights (retraining DFlash makes the
   head stale: retrain it with `longspec train-drafter --drafter dels --base dflash`)."""
   from longspec_jax import default_target_dir
-  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, build_drafter
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, load_drafter
   from longspec_jax.hf_io import load_model_dir, weights_sha256
   info = json.loads((SHIPPED_DRAFTERS_DIR / "dels" / "drafter.json").read_text())
   assert weights_sha256(SHIPPED_DRAFTERS_DIR / "dflash") == info["base_weights_sha256"]
-  d = build_drafter("dels", load_model_dir(default_target_dir()))
+  d = load_drafter("dels", load_model_dir(default_target_dir()))
   assert d.spec.cfg.alpha == tuple(info["alpha"]) and len(d.spec.cfg.alpha) == d.spec.base.cfg.block_size - 1

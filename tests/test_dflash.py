@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from inference.generate import generate
+from longspec_jax.inference.generate import generate
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
 from longspec_jax.drafters.dflash import (DFlashConfig, create_dflash, default_target_layer_ids,
                                           dflash_config_for, dflash_from_model, load_dflash, save_dflash_dir,
@@ -20,7 +20,7 @@ from longspec_jax.sampling import SamplingParams
 from tests.test_speculative import (N_POS, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts, _sample,
                                     peaky_target, target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
-from training.train_dflash import dflash_train_logits
+from longspec_jax.training.train_dflash import dflash_train_logits
 
 BLOCK = 5
 
@@ -199,7 +199,7 @@ def test_train_dflash_exports_and_resumes_exactly(env, tmp_path):  # noqa: F811
   export loads as a drafter that is lossless against its target."""
   from longspec_jax.hf_io import load_model_dir
   from longspec_jax.yaml_config import from_dict
-  from training.train_dflash import DFlashTrainConfig, train_dflash
+  from longspec_jax.training.train_dflash import DFlashTrainConfig, train_dflash
   tmp, data_cfg = env
 
   def cfg(out, **kw):

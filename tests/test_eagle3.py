@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inference.generate import generate
+from longspec_jax.inference.generate import generate
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
 from longspec_jax.drafters.eagle3 import (create_eagle3_net, default_aux_layers, drafter_config, eagle3_from_net,
                                           load_eagle3, run_cached)
 from longspec_jax.sampling import SamplingParams
 from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample,  # noqa: F401
                                     peaky_target, target)
-from training.train_eagle3 import ttt_forward
+from longspec_jax.training.train_eagle3 import ttt_forward
 
 ARCH = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64)
 
@@ -336,7 +336,7 @@ TRAIN_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     from longspec_jax.yaml_config import from_dict
-    from training.train_eagle3 import Eagle3TrainConfig, train_eagle3
+    from longspec_jax.training.train_eagle3 import Eagle3TrainConfig, train_eagle3
     assert len(jax.devices()) == 8, jax.devices()
     base = json.loads(sys.argv[1])
     straight = train_eagle3(from_dict(Eagle3TrainConfig, {**base, "out_dir": sys.argv[2] + "/a"}))
@@ -354,7 +354,7 @@ def train_env(tmp_path_factory):
 
   from longspec_jax.hf_io import save_model_dir
   from longspec_jax.model import create_model, default_target_config
-  from training.drafter_data import weights_sha256
+  from longspec_jax.training.drafter_data import weights_sha256
 
   tmp = tmp_path_factory.mktemp("eagle3_train")
   cfg = default_target_config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from inference.functional import (GenerationOutput, generate_arrays, output_stats, output_tokens,
+from longspec_jax.inference.functional import (GenerationOutput, generate_arrays, output_stats, output_tokens,
                                   prepare_generation)
-from inference.generate import generate
+from longspec_jax.inference.generate import generate
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.drafters.standalone import standalone_from_model
 from longspec_jax.model import create_model
@@ -104,8 +104,8 @@ def test_export_and_call(target, drafter):
 SHARDED_SCRIPT = textwrap.dedent("""
   import json
   import jax, numpy as np
-  from inference.functional import output_tokens, place_generation, prepare_generation
-  from inference.generate import generate
+  from longspec_jax.inference.functional import output_tokens, place_generation, prepare_generation
+  from longspec_jax.inference.generate import generate
   from longspec_jax import sharding as shd
   from longspec_jax.drafters.standalone import standalone_from_model
   from longspec_jax.model import create_model

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inference.generate import ar_decode_program, ar_prefill_program, bucket, generate
+from longspec_jax.inference.generate import ar_decode_program, ar_prefill_program, bucket, generate
 
 
 def naive_greedy(model, prompt, n, width=64):

@@ -222,7 +222,7 @@ def test_bad_rope_scaling(spec):
 
 
 def test_cli_generate_with_named_target(fake_named_target, capsys):
-  from inference.cli import main
+  from longspec_jax.inference.cli import main
   assert main(["generate", "--model", fake_named_target, "--prompt", "def f", "--max-new-tokens", "4",
                "--rope-scaling", "yarn:2"]) == 0
   assert capsys.readouterr().out.strip() != ""
@@ -239,7 +239,7 @@ def test_smollm2_parity_with_transformers_gguf_loader(tmp_path, monkeypatch):
   import torch
   from transformers import AutoModelForCausalLM, AutoTokenizer
 
-  from inference.generate import generate
+  from longspec_jax.inference.generate import generate
   from longspec_jax import long_doc_paths
   monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path))
   src = targets.gguf_path("smollm2-135m")

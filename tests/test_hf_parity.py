@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from inference.generate import generate  # noqa: E402
+from longspec_jax.inference.generate import generate  # noqa: E402
 from longspec_jax.hf_io import load_model_dir, save_model_dir  # noqa: E402
 
 ROPE_VARIANTS = {

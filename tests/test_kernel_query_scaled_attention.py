@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import (
+from longspec_jax.pallas_kernels import (
     BlockSizes,
     check_lowering,
     merge_attention_views,

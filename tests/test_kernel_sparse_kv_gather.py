@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import (
+from longspec_jax.pallas_kernels import (
     BlockSizes,
     check_lowering,
     chunk_positions,
@@ -19,7 +19,7 @@ from pallas_kernels import (
     reference_sparse_chunk_attention,
     sparse_chunk_attention,
 )
-from pallas_kernels.query_scaled_attention.reference import masked_attention
+from longspec_jax.pallas_kernels.query_scaled_attention.reference import masked_attention
 
 SD = jax.ShapeDtypeStruct
 INTERPRET = {"tpu": pltpu.InterpretParams(), "gpu": True}

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from inference.generate import generate
+from longspec_jax.inference.generate import generate
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult, state_nbytes
 from longspec_jax.drafters.longspark import (LongSparkModel, create_longspark, load_longspark, longspark_config_for,
                                              longspark_from_model, longspark_io, merge_rows, save_longspark_dir)
@@ -23,7 +23,7 @@ from longspec_jax.verify import verify_greedy
 from tests.test_speculative import (N_POS, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts, _sample,
                                     peaky_target, target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
-from training.train_longspark import anchor_summaries, longspark_train_logits
+from longspec_jax.training.train_longspark import anchor_summaries, longspark_train_logits
 
 W = 16  # a small raw window so that the tests' prompts and decodes wrap the ring
 
@@ -97,7 +97,7 @@ def test_longspark_sampling_matches_target_distribution(peaky_target, markov_ran
 def _step_by_step(target_model, drafter, prompts, steps, k):
   """The engine's draft -> verify -> commit loop, unrolled in Python so each state can be inspected. Yields
   (state after update, target cache, committed lengths)."""
-  from inference.generate import pad_prompts
+  from longspec_jax.inference.generate import pad_prompts
   spec, params = drafter.spec, drafter.params
   tokens, lens = pad_prompts(prompts, 1, max(map(len, prompts)))
   tokens, lens = jnp.asarray(tokens), jnp.asarray(lens)
@@ -326,7 +326,7 @@ def test_train_longspark_exports_and_resumes_exactly(env, tmp_path):  # noqa: F8
   run ends bit-identical, and the export loads as a drafter that is lossless against its target."""
   from longspec_jax.hf_io import load_model_dir
   from longspec_jax.yaml_config import from_dict
-  from training.train_longspark import LongSparkTrainConfig, train_longspark
+  from longspec_jax.training.train_longspark import LongSparkTrainConfig, train_longspark
   tmp, data_cfg = env
 
   def cfg(out, **kw):
@@ -356,7 +356,7 @@ def test_train_longspark_exports_and_resumes_exactly(env, tmp_path):  # noqa: F8
 def test_position_shift_is_the_same_text_at_later_positions(target):
   """The trainer's shift augmentation: rotating cached target keys by `shift` gives exactly the keys (and the same
   taps) the target computes for the same text at positions + shift."""
-  from training.train_longspark import _shift_window
+  from longspec_jax.training.train_longspark import _shift_window
   m = _longspark(target, seed=5)
   toks = jnp.asarray(np.random.default_rng(1).integers(3, V, (2, 24)), jnp.int32)
   shift = jnp.asarray([0, 1500], jnp.int32)

@@ -1,9 +1,9 @@
 """Multi-host for real: two local CPU processes joined by jax.distributed on localhost (gloo collectives) train a
-PARD drafter with the batch sharded across them, through the real CLI (`longspec --coordinator ...
-train-drafter`). Losses and final parameters must equal a single-process run on the same global batches (one
-process with two devices: the same mesh shape). The two-process run is stopped after 3 of its 6 steps (an orbax
-checkpoint written by both processes) and resumed by a second two-process launch, so one comparison covers both
-the data-parallel steps and the multi-process checkpoint's exact resume."""
+drafter (PARD, DFlash, EAGLE-3) with the batch sharded across them, each building only its own rows, through the
+real CLI (`longspec --coordinator ... train-drafter`). Losses and final parameters must equal a single-process run
+on the same global batches (one process with two devices: the same mesh shape). The two-process run is stopped
+after 3 of its 6 steps (an orbax checkpoint written by both processes) and resumed by a second two-process launch,
+so one comparison covers both the data-parallel steps and the multi-process checkpoint's exact resume."""
 
 import json
 import os
@@ -22,14 +22,21 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 
 
-def _config(env, tmp_path) -> Path:
+def _config(drafter: str, env, tmp_path) -> Path:
+  """A tiny config for `drafter` on the env fixture's data: batches of 4 rows split over 2 data devices."""
   _, data_cfg = env
-  cfg = dict(data_dir=data_cfg.out_dir, out_dir=str(tmp_path / "unused"), model=TINY, context_len=24, num_masks=3,
-             anchors_per_window=4, batch_size=4, steps=STEPS, optim=dict(lr=0.02, warmup_steps=2),
-             val_fraction=0.2, val_windows=4, compute_dtype="float32", attn_block=16, log_every=1,
-             checkpoint_every_minutes=100.0, mesh_data=2)
-  path = tmp_path / "pard.yaml"
-  path.write_text(yaml.safe_dump(cfg))
+  common = dict(out_dir=str(tmp_path / "unused"), batch_size=4, steps=STEPS, optim=dict(lr=0.02, warmup_steps=2),
+                val_fraction=0.2, compute_dtype="float32", log_every=1, checkpoint_every_minutes=100.0, mesh_data=2)
+  cfg = {
+      "pard": dict(data_dir=data_cfg.out_dir, model=TINY, context_len=24, num_masks=3, anchors_per_window=4,
+                   val_windows=4, attn_block=16),
+      "dflash": dict(data_dirs=[data_cfg.out_dir], num_layers=1, num_target_taps=2, block_size=4, context_len=24,
+                     anchors_per_window=3, val_windows=2),
+      "eagle3": dict(data_dirs=[data_cfg.out_dir], context_len=16, ttt_steps=2, val_windows=2, attn_block=16,
+                     model=dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64)),
+  }[drafter]
+  path = tmp_path / f"{drafter}.yaml"
+  path.write_text(yaml.safe_dump({**common, **cfg}))
   return path
 
 
@@ -39,19 +46,19 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _train(config: Path, out: Path, processes: int, *extra: str) -> list[str]:
+def _train(drafter: str, config: Path, out: Path, processes: int, *extra: str) -> list[str]:
   """Runs `longspec train-drafter` as `processes` processes (one CPU device each) or, for 1, one process with two
   CPU devices. Returns each process's output."""
   devices = 2 if processes == 1 else 1
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  cmd = ["train-drafter", "--drafter", "pard", "--config", str(config), "--set", f"out_dir={out}", *extra]
+  cmd = ["train-drafter", "--drafter", drafter, "--config", str(config), "--set", f"out_dir={out}", *extra]
   if processes == 1:
     launches = [[]]
   else:
     port = _free_port()
     launches = [["--coordinator", f"localhost:{port}", "--num-processes", str(processes), "--process-id", str(i)]
                 for i in range(processes)]
-  procs = [subprocess.Popen([sys.executable, "-m", "inference.cli", *dist, *cmd], cwd=ROOT, env=env,
+  procs = [subprocess.Popen([sys.executable, "-m", "longspec_jax.inference.cli", *dist, *cmd], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for dist in launches]
   outs = []
   for p in procs:
@@ -77,32 +84,61 @@ def _params(out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one(env, tmp_path):  # noqa: F811
-  config = _config(env, tmp_path)
+@pytest.mark.parametrize("drafter", ["pard", "dflash", "eagle3"])
+def test_two_processes_train_like_one(drafter, env, tmp_path):  # noqa: F811
+  config = _config(drafter, env, tmp_path)
   single, multi = tmp_path / "single", tmp_path / "multi"
-  _train(config, single, 1)
-  assert "checkpoints" in _train(config, multi, 2, "--set", "stop_after_steps=3")[0]
+  _train(drafter, config, single, 1)
+  assert "checkpoints" in _train(drafter, config, multi, 2, "--set", "stop_after_steps=3")[0]
   assert len(_log(multi)) == 3
-  _train(config, multi, 2)  # resumes from the step-3 checkpoint
+  outs = _train(drafter, config, multi, 2)  # resumes from the step-3 checkpoint
+  assert all("resumed from step 3" in o for o in outs)
+  assert (multi / "final" / "drafter.json").exists()  # written by process 0 only (process 1 returns before it)
 
   log_1, log_2 = _log(single), _log(multi)
-  print("single process, 2 devices:", json.dumps(log_1))
-  print("two processes, 1 device each (steps 4-6 after a resume):", json.dumps(log_2))
+  print(f"{drafter}: single process, 2 devices:", json.dumps(log_1))
+  print(f"{drafter}: two processes, 1 device each (steps 4-6 after a resume):", json.dumps(log_2))
   # Same global batches, same mesh shape: the gradient all-reduce (gloo across processes, in-process otherwise)
   # sums the same two shards, so losses and gradient norms agree bit for bit.
   assert len(log_1) == STEPS and log_1 == log_2
   p1, p2 = _params(single), _params(multi)
   assert p1.keys() == p2.keys()
   worst = max(float(np.max(np.abs(p1[k].astype(np.float32) - p2[k].astype(np.float32)))) for k in p1)
-  print(f"final parameters: max |single - two-process| = {worst:.3g} over {len(p1)} tensors (exported bf16)")
+  print(f"{drafter}: final parameters: max |single - two-process| = {worst:.3g} over {len(p1)} tensors (exported)")
   assert all(np.array_equal(p1[k], p2[k]) for k in p1)
+
+def test_each_process_builds_only_its_rows():
+  """A process builds only its rows of a step's batch, and they equal those rows of the whole batch (every random
+  draw is made for the whole batch), so splitting a batch over processes does not change it."""
+  from longspec_jax.training.data import TokenStream
+  from longspec_jax.training.train_dflash import BlockSampler, DFlashTrainConfig
+  from longspec_jax.training.train_drafter import DrafterTrainConfig, WindowSampler
+  from longspec_jax.training.train_eagle3 import Windows
+
+  rows = [list(range(3, 3 + n)) for n in (5, 9, 30, 40, 12, 17)]
+  stream = TokenStream(np.arange(500), 1)
+  samplers = {
+      "pard": WindowSampler(rows, DrafterTrainConfig(context_len=16, num_masks=3, anchors_per_window=4), 0, 1).batch,
+      "dflash": BlockSampler([(r, 3) for r in rows], DFlashTrainConfig(context_len=16, block_size=4,
+                                                                       anchors_per_window=3), 0, 1).batch,
+      "eagle3": Windows(rows, 16, 0, 1).batch,
+      "target": lambda step, size, part=slice(None): {"tokens": stream.batch(step, size, 16, part)},
+  }
+  for name, batch in samplers.items():
+    whole = batch(5, 6)
+    for lo, hi in ((0, 3), (3, 6), (2, 5)):
+      part = batch(5, 6, slice(lo, hi))
+      assert part.keys() == whole.keys(), name
+      for k in whole:
+        assert len(part[k]) == hi - lo and np.array_equal(part[k], whole[k][lo:hi]), (name, k, lo, hi)
+
 
 MULTI_PROCESS_GENERATE = """
 import json, sys
 from longspec_jax.distributed import host_values, initialize, is_main_process
 initialize(sys.argv[1], 2, int(sys.argv[2]))
 import jax
-from inference.functional import output_stats, output_tokens, place_generation, prepare_generation
+from longspec_jax.inference.functional import output_stats, output_tokens, place_generation, prepare_generation
 from longspec_jax import sharding as shd
 from longspec_jax.drafters.standalone import standalone_from_model
 from longspec_jax.model import create_model
@@ -127,7 +163,7 @@ print("TOKENS", json.dumps(res))
 
 @pytest.mark.slow
 def test_two_process_generate_equals_single_process():
-  from inference.generate import generate
+  from longspec_jax.inference.generate import generate
   from longspec_jax.drafters.standalone import standalone_from_model
   from longspec_jax.model import create_model
   from tests.test_functional import _cfg, _prompts
@@ -159,7 +195,7 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidde
 
 
 def test_memory_estimate_qwen3_8b(tmp_path, capsys):
-  from inference.cli import main
+  from longspec_jax.inference.cli import main
   (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
   out = tmp_path / "m.json"
   assert main(["memory", "--config", str(tmp_path), "--slice", "v5litepod-16", "--context", "32768", "--batch",
@@ -179,7 +215,7 @@ def test_memory_estimate_qwen3_8b(tmp_path, capsys):
 
 
 def test_distributed_flags_are_checked(capsys):
-  from inference.cli import main
+  from longspec_jax.inference.cli import main
   assert main(["--coordinator", "localhost:1", "generate", "--prompt", "x"]) == 2
   assert "give all of coordinator, num_processes and process_id" in capsys.readouterr().err
   assert main(["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2", "generate",

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inference.generate import generate
+from longspec_jax.inference.generate import generate
 from longspec_jax.attention import causal_attention
 from longspec_jax.config import ModelConfig, RopeConfig
-from longspec_jax.drafters import build_drafter
+from longspec_jax.drafters import load_drafter
 from longspec_jax.drafters.base import PrefillResult, ProposeContext
 from longspec_jax.drafters.standalone import standalone_from_model
 from longspec_jax.model import create_model
@@ -248,20 +248,20 @@ def test_loading_from_drafter_dir(tmp_path, target, small):
   save_model_dir(small, tmp_path)
   (tmp_path / "drafter.json").write_text(json.dumps({"mode": "pard", "mask_token_id": 2, "n0": N0}))
   with pytest.raises(FileNotFoundError, match="calibrate-sharpdraft --drafter pard"):
-    build_drafter("pard", target, tmp_path, sharpdraft="fixed")
-  assert build_drafter("pard", target, tmp_path).spec.sharpdraft is None
+    load_drafter("pard", target, tmp_path, sharpdraft="fixed")
+  assert load_drafter("pard", target, tmp_path).spec.sharpdraft is None
 
   rng = np.random.default_rng(0)
   scores = np.stack([_synthetic_scores(rng, 64, N0, 5.0, 1.0, 2) for _ in range(4)], axis=1)
   (tmp_path / SHARPDRAFT_FILE).write_text(json.dumps(calibrate([scores])))
   for rule in ("fixed", "exact"):
-    sd = build_drafter("pard", target, tmp_path, sharpdraft=rule).spec.sharpdraft
+    sd = load_drafter("pard", target, tmp_path, sharpdraft=rule).spec.sharpdraft
     assert sd == load_sharpdraft(tmp_path, rule) and sd.rule == rule and sd.n0 == N0
     hash(sd)  # a static jit argument
   with pytest.raises(ValueError, match="has none"):
-    build_drafter("prompt-lookup", target, tmp_path, sharpdraft="exact")
+    load_drafter("prompt-lookup", target, tmp_path, sharpdraft="exact")
   with pytest.raises(ValueError, match="sharpdraft must be one of"):
-    build_drafter("pard", target, tmp_path, sharpdraft="on")
+    load_drafter("pard", target, tmp_path, sharpdraft="on")
   with pytest.raises(ValueError, match="2 layers"):
     standalone_from_model(small, "pard", sharpdraft=_sharp("fixed", layers=2))
 
@@ -286,7 +286,7 @@ def test_report_recovery_fraction(tmp_path):
 def test_calibrate_cli_writes_sharpdraft_json(tmp_path, capsys):
   import datasets
 
-  from inference.cli import main
+  from longspec_jax.inference.cli import main
   from longspec_jax.hf_io import save_model_dir
   from longspec_jax.tokenizer import save_hf_tokenizer, train_bpe
 

@@ -3,8 +3,8 @@
 
 import pytest
 
-from inference.cli import main
-from inference.eval_target import evaluate_position_buckets, load_unigram
+from longspec_jax.inference.cli import main
+from longspec_jax.inference.eval_target import evaluate_position_buckets, load_unigram
 from longspec_jax import default_target_dir, long_doc_paths
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.tokenizer import load_tokenizer
@@ -36,7 +36,7 @@ def test_bf16_target_spec_equals_ar():
   import jax.numpy as jnp
   from flax import nnx
 
-  from inference.generate import generate
+  from longspec_jax.inference.generate import generate
   from longspec_jax.drafters.base import LoadedDrafter
   from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
   from longspec_jax.targets import load_target

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from inference import speculative
-from inference.generate import generate
+from longspec_jax.inference import speculative
+from longspec_jax.inference.generate import generate
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.drafters.base import LoadedDrafter, PrefillResult, ProposeContext, VerifyResult
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter

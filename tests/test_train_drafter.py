@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from tests.test_corpus_tokenizer import _fake_stdlib
-from training.drafter_data import DrafterDataConfig, load_drafter_data, make_drafter_data
-from training.train_drafter import (DrafterTrainConfig, WindowSampler, drafter_model_config, pard_forward,
+from longspec_jax.training.drafter_data import DrafterDataConfig, load_drafter_data, make_drafter_data
+from longspec_jax.training.train_drafter import (DrafterTrainConfig, WindowSampler, drafter_model_config, pard_forward,
                                     train_standalone_drafter)
 
 VOCAB = 320
@@ -24,7 +24,7 @@ def env(tmp_path_factory):
   from longspec_jax.hf_io import save_model_dir
   from longspec_jax.model import create_model, default_target_config
   from longspec_jax.tokenizer import save_hf_tokenizer, train_bpe
-  from training.data import CorpusConfig, build_corpus, load_corpus
+  from longspec_jax.training.data import CorpusConfig, build_corpus, load_corpus
 
   tmp = tmp_path_factory.mktemp("drafter")
   _fake_stdlib(tmp / "lib")
@@ -40,7 +40,7 @@ def env(tmp_path_factory):
 
 
 def test_drafter_data_is_what_generate_gives(env):
-  from inference.generate import generate
+  from longspec_jax.inference.generate import generate
   from longspec_jax.hf_io import load_model_dir
 
   tmp, data_cfg = env
@@ -63,7 +63,7 @@ def test_drafter_data_is_what_generate_gives(env):
 
 
 def test_drafter_data_resumes_after_a_crash(env, monkeypatch):
-  import inference.generate as gen_mod
+  import longspec_jax.inference.generate as gen_mod
 
   tmp, data_cfg = env
   real, calls = gen_mod.generate, []

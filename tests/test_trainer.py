@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
     from longspec_jax.yaml_config import from_dict
-    from training.train_target import TargetTrainConfig, train_target, load_params_from_checkpoint
+    from longspec_jax.training.train_target import TargetTrainConfig, train_target, load_params_from_checkpoint
     assert len(jax.devices()) == 8, jax.devices()
     cfg = from_dict(TargetTrainConfig, json.loads(sys.argv[1]))
     train_target(cfg)
@@ -40,7 +40,7 @@ def _run(cfg: dict, tmp_path: Path) -> dict:
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
   from longspec_jax.tokenizer import save_hf_tokenizer, train_bpe
-  from training.data import CorpusConfig, build_corpus, load_corpus
+  from longspec_jax.training.data import CorpusConfig, build_corpus, load_corpus
   tmp = tmp_path_factory.mktemp("data")
   _fake_stdlib(tmp / "lib")
   build_corpus(tmp / "corpus", CorpusConfig(min_chars=50, long_min_chars=3000, num_long_docs=1), root=tmp / "lib")

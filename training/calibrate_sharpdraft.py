@@ -43,7 +43,7 @@ def calibration_windows(tok, n0: int, num: int, bos: int | None, corpus_dir, dra
   """[num, n0] token windows and a description of their source."""
   corpus_dir = Path(corpus_dir)
   if (corpus_dir / "dataset_dict.json").exists():
-    from training.data import load_corpus
+    from longspec_jax.training.data import load_corpus
     texts = load_corpus(corpus_dir)["train"]["text"]
     order = np.random.default_rng(seed).permutation(len(texts))
     streams = []
@@ -98,7 +98,7 @@ def run_calibration(drafter: str, drafter_dir=None, model_dir=None, corpus_dir="
                     granularity: str = "head", alpha_rule: str = "tangent", fit_max_keys: int = 16384,
                     num_windows: int = 256, batch: int = 8, seed: int = 0, n0: int | None = None, out=None) -> Path:
   from longspec_jax import default_target_dir
-  from longspec_jax.drafters import build_drafter, drafter_path
+  from longspec_jax.drafters import load_drafter, drafter_path
   from longspec_jax.hf_io import load_model_dir, weights_sha256
   from longspec_jax.sharpdraft import calibrate
   from longspec_jax.tokenizer import load_tokenizer
@@ -114,7 +114,7 @@ def run_calibration(drafter: str, drafter_dir=None, model_dir=None, corpus_dir="
   target_dir = Path(model_dir) if model_dir else default_target_dir()
   target = load_model_dir(target_dir)
   tok = load_tokenizer(target_dir)
-  loaded = build_drafter(drafter, target, drafter_dir)
+  loaded = load_drafter(drafter, target, drafter_dir)
   windows, source = calibration_windows(tok, n0, num_windows, target.cfg.bos_token_id, corpus_dir, meta, seed)
   scores = drafter_scores(loaded, target, windows, batch)
   body = calibrate(scores, granularity, alpha_rule, fit_max_keys)

@@ -10,19 +10,19 @@ from longspec_jax.argtypes import fraction, nonneg_float, nonneg_int, positive_i
 
 # --drafter NAME -> (module, config class, train function); configs/drafter_NAME.yaml is the default config.
 DRAFTERS = {
-    "pard": ("training.train_drafter", "DrafterTrainConfig", "train_standalone_drafter"),
-    "dflash": ("training.train_dflash", "DFlashTrainConfig", "train_dflash"),
-    "eagle3": ("training.train_eagle3", "Eagle3TrainConfig", "train_eagle3"),
-    "dels": ("training.train_dels", "DeLSTrainConfig", "train_dels"),
-    "longspark": ("training.train_longspark", "LongSparkTrainConfig", "train_longspark"),
-    "budget": ("training.train_budget", "BudgetTrainConfig", "train_budget"),
+    "pard": ("longspec_jax.training.train_drafter", "DrafterTrainConfig", "train_standalone_drafter"),
+    "dflash": ("longspec_jax.training.train_dflash", "DFlashTrainConfig", "train_dflash"),
+    "eagle3": ("longspec_jax.training.train_eagle3", "Eagle3TrainConfig", "train_eagle3"),
+    "dels": ("longspec_jax.training.train_dels", "DeLSTrainConfig", "train_dels"),
+    "longspark": ("longspec_jax.training.train_longspark", "LongSparkTrainConfig", "train_longspark"),
+    "budget": ("longspec_jax.training.train_budget", "BudgetTrainConfig", "train_budget"),
 }
 
 
 def cmd_make_drafter_data(a) -> int:
   from longspec_jax import default_target_dir
   from longspec_jax.targets import resolve_target_dir
-  from training.drafter_data import MANIFEST, DrafterDataConfig, make_drafter_data
+  from longspec_jax.training.drafter_data import MANIFEST, DrafterDataConfig, make_drafter_data
 
   cfg = DrafterDataConfig(
       target_dir=str(resolve_target_dir(a.target) if a.target else default_target_dir()), corpus_dir=a.corpus,

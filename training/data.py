@@ -137,10 +137,11 @@ class TokenStream:
   tokens: np.ndarray
   seed: int = 0
 
-  def batch(self, step: int, batch_size: int, seq_len: int) -> np.ndarray:
+  def batch(self, step: int, batch_size: int, seq_len: int, rows: slice = slice(None)) -> np.ndarray:
+    """Rows `rows` of step `step`'s [batch_size, seq_len + 1] batch (a process builds only its own)."""
     n = len(self.tokens) - seq_len - 1
     if n <= 0:
       raise ValueError(f"token stream of {len(self.tokens)} tokens is shorter than seq_len+1={seq_len + 1}")
     rng = np.random.default_rng([self.seed, step])
-    starts = rng.integers(0, n, size=batch_size)
+    starts = rng.integers(0, n, size=batch_size)[rows]
     return np.stack([self.tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)

@@ -123,10 +123,10 @@ def make_drafter_data(cfg: DrafterDataConfig) -> Path:
   import datasets
   from tqdm.auto import tqdm
 
-  from inference.generate import generate
+  from longspec_jax.inference.generate import generate
   from longspec_jax.hf_io import load_model_dir
   from longspec_jax.tokenizer import load_tokenizer
-  from training.data import load_corpus
+  from longspec_jax.training.data import load_corpus
 
   target_dir = Path(cfg.target_dir)
   if not (target_dir / "config.json").exists():

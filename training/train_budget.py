@@ -31,11 +31,11 @@ from longspec_jax.attention import causal_attention, masked_attention
 from longspec_jax.drafters.budget import CHUNK, check_budget, select_budget_chunks, selection_lengths
 from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
-from pallas_kernels.query_scaled_attention.reference import chunk_key_mask
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.train_drafter import _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.pallas_kernels.query_scaled_attention.reference import chunk_key_mask
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.train_drafter import _target_config
+from longspec_jax.training.trainer import OptimConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,36 +228,32 @@ def train_budget(cfg: BudgetTrainConfig, resume: bool = True) -> Path:
   pad_id = target.pad_token_id if target.pad_token_id is not None else target.eos_token_id or 0
   sampler = LongRowSampler([rows[i] for i in train_idx], [labels[i] for i in train_idx], cfg, pad_id, cfg.seed)
 
-  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
   init_dir, model = _load_init(cfg)
   if model.cfg.vocab_size != target.vocab_size:
     raise ValueError(f"drafter {init_dir} has vocab_size {model.cfg.vocab_size}, the target {target.vocab_size}")
   print(f"BudgetDraft: fine-tuning {init_dir} ({param_count(model) / 1e6:.2f}M parameters), {len(train_idx)} "
         f"train / {len(val_idx)} val rows, budgets {cfg.budgets} w.p. {cfg.budget_probs}")
-  mesh = shd.make_mesh(cfg.mesh_data or None)
-  if cfg.batch_size % mesh.shape["data"]:
-    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
   graphdef, params = nnx.split(model)
   initial = jax.tree.map(jnp.copy, params)
-  optimizer = make_optimizer(cfg.optim, cfg.steps)
-  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
+  run = start_run(cfg, params, resume=resume)
 
   def loss_fn(p, batch):
     return multiview_loss(nnx.merge(graphdef, p), batch, cfg)
 
-  data_sharding = shd.batch_sharding(mesh)
+  data_sharding = shd.batch_sharding(run.mesh)
+
+  def batch_fn(step):
+    return jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding)
+
+  tokens_per_step = int(cfg.batch_size * (sampler.prompt.shape[1] + cfg.continuation_len))
   t0 = time.time()
-  state, finished = train_until(
-      state, ckpt, mesh, loss_fn, optimizer,
-      lambda step: jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding), steps=cfg.steps,
-      stop_after_steps=cfg.stop_after_steps, log_path=out / "train_log.jsonl", log_every=cfg.log_every,
-      tokens_per_step=int(cfg.batch_size * (sampler.prompt.shape[1] + cfg.continuation_len)), desc="train-budget")
-  if not finished:
-    return out / "checkpoints"
+  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: tokens_per_step, desc="train-budget"):
+    return run.out / "checkpoints"
+  trained = run.local_params()
   val = LongRowSampler([rows[i] for i in val_idx], [labels[i] for i in val_idx], cfg, pad_id, cfg.seed + 1)
   metrics = {"initial": validation_metrics(graphdef, initial, val, cfg),
-             "trained": validation_metrics(graphdef, state.params, val, cfg)}
-  return export_budget_drafter(nnx.merge(graphdef, state.params), cfg, init_dir, target_dir, manifest, metrics,
+             "trained": validation_metrics(graphdef, trained, val, cfg)}
+  return export_budget_drafter(nnx.merge(graphdef, trained), cfg, init_dir, target_dir, manifest, metrics,
                                train_s=time.time() - t0)
 
 

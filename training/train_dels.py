@@ -30,11 +30,11 @@ from longspec_jax.drafters.dels import (DeLSConfig, combine, local_block_logits,
                                         unigram_log_prior)
 from longspec_jax.drafters.dflash import load_dflash_model, target_io
 from longspec_jax.hf_io import load_model_dir
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.train_dflash import BlockSampler, dflash_train_logits, make_tap_fn
-from training.train_drafter import _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.train_dflash import BlockSampler, dflash_train_logits, make_tap_fn
+from longspec_jax.training.train_drafter import _target_config
+from longspec_jax.training.trainer import OptimConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +153,6 @@ def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
                     low_rank_dim=cfg.low_rank_dim, rank_activation=cfg.rank_activation,
                     alpha=(0.0,) * (bs - 1), beta=(0.0,) * (bs - 1))
 
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
   target = load_model_dir(target_dir)
   params = init_head_params(cfg, target_cfg.hidden_size, cfg.seed)
   n_params = sum(int(x.size) for x in jax.tree.leaves(params))
@@ -163,28 +160,20 @@ def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
         f"r={cfg.low_rank_dim}) over the frozen DFlash {base_dir}; {len(train_rows)} train / {len(val_rows)} val "
         f"rows, block {bs}")
 
-  mesh = shd.make_mesh(cfg.mesh_data or None)
-  if cfg.batch_size % mesh.shape["data"]:
-    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
-  optimizer = make_optimizer(cfg.optim, cfg.steps)
-  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
-  data_sharding = shd.batch_sharding(mesh)
-  io = jax.device_put(target_io(target), shd.replicated(mesh))
-  prior = jax.device_put(jnp.asarray(log_prior), shd.replicated(mesh))
+  run = start_run(cfg, params, resume=resume)
+  data_sharding = shd.batch_sharding(run.mesh)
+  io = run.replicate(target_io(target))
+  prior = run.replicate(jnp.asarray(log_prior, jnp.float32))
 
   def batch_fn(step):
     batch = jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding)
     return dict(batch, io=io, log_prior=prior)
 
   t0 = time.time()
-  state, finished = train_until(state, ckpt, mesh, lambda p, b: dels_loss(dcfg, p, b), optimizer, batch_fn,
-                                steps=cfg.steps, stop_after_steps=cfg.stop_after_steps,
-                                log_path=out / "train_log.jsonl", log_every=cfg.log_every,
-                                tokens_per_step=cfg.batch_size * cfg.anchors_per_window * (bs - 1),
-                                desc="train-drafter dels")
-  if not finished:
-    return out / "checkpoints"
-  head = jax.tree.map(np.asarray, merge_head(state.params, target_io(target), log_prior))
+  if not run.train(run.train_step(lambda p, b: dels_loss(dcfg, p, b)), batch_fn, desc="train-drafter dels",
+                   tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window * (bs - 1)):
+    return run.out / "checkpoints"
+  head = jax.tree.map(np.asarray, merge_head(run.local_params(), target_io(target), log_prior))
   # Tune on exactly what ships: the tables rounded to bf16 (the prior stays fp32).
   head = {k: (x if k == "log_prior" else np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)))
           for k, x in head.items()}

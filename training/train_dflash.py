@@ -21,16 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax import sharding as shd
 from longspec_jax.attention import masked_attention
 from longspec_jax.drafters.dflash import (DFlashModel, create_dflash, dflash_config_for, embed_tokens,
                                           head_logits, save_dflash_dir, target_io)
+from longspec_jax.distributed import is_main_process
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.train_drafter import _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.train_drafter import _target_config
+from longspec_jax.training.trainer import OptimConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,20 +87,24 @@ class BlockSampler:
   def __len__(self):
     return len(self.lens)
 
-  def batch(self, step: int, batch_size: int) -> dict:
+  def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
+    """Rows `rows` of step `step`'s batch (a process builds only its own; every random draw is for the whole
+    batch, so the rows do not depend on how the batch is split)."""
     cfg = self.cfg
     c, bs, a = cfg.context_len, cfg.block_size, cfg.anchors_per_window
     rng = np.random.default_rng([self.seed, step])
-    rows = rng.integers(0, len(self.lens), size=batch_size)
+    picks = rng.integers(0, len(self.lens), size=batch_size)
     # Longer rows: a window that keeps the start of the continuation when possible.
-    offs = np.asarray([rng.integers(0, max(self.lens[r] - c, 0) + 1) for r in rows])
-    valid = np.minimum(self.lens[rows] - offs, c)
+    offs = np.asarray([rng.integers(0, max(self.lens[r] - c, 0) + 1) for r in picks])
+    u = rng.random((batch_size, a))
+    picks, offs, u = picks[rows], offs[rows], u[rows]
+    valid = np.minimum(self.lens[picks] - offs, c)
     cols = np.minimum(offs[:, None] + np.arange(c)[None, :], self.tokens.shape[1] - 1)
-    toks = np.where(np.arange(c)[None, :] < valid[:, None], np.take_along_axis(self.tokens[rows], cols, 1),
+    toks = np.where(np.arange(c)[None, :] < valid[:, None], np.take_along_axis(self.tokens[picks], cols, 1),
                     self.pad_id).astype(np.int32)
     # Anchors in the target's continuation (from the last prompt token on), each with >= 1 real label.
-    lo = np.clip(self.prompt_lens[rows] - 1 - offs, 1, valid - 2)
-    anchors = (lo[:, None] + rng.random((batch_size, a)) * (valid - 1 - lo)[:, None]).astype(np.int32)
+    lo = np.clip(self.prompt_lens[picks] - 1 - offs, 1, valid - 2)
+    anchors = (lo[:, None] + u * (valid - 1 - lo)[:, None]).astype(np.int32)
     tgt_pos = anchors[..., None] + np.arange(1, bs)[None, None, :]
     labels = np.take_along_axis(toks[:, None, :], np.minimum(tgt_pos, c - 1), axis=2)
     weights = (tgt_pos < valid[:, None, None]) * self.slot_weight[None, None, :]
@@ -159,9 +163,11 @@ def _load_rows(cfg: DFlashTrainConfig):
   return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]], target[0], target[1], manifests
 
 
-def make_tap_fn(target, taps):
-  """Jitted frozen-target forward: tokens [B, C] -> taps [B, C, n, H]."""
+def make_tap_fn(target, taps, place=lambda params: params):
+  """Jitted frozen-target forward: tokens [B, C] -> taps [B, C, n, H]. place: puts the target's parameters where
+  the tokens will be (Run.replicate for a batch sharded over a mesh)."""
   graphdef, params = nnx.split(target)
+  params = place(params)
 
   @jax.jit
   def fn(p, tokens):
@@ -178,40 +184,30 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
   sampler = BlockSampler(train_rows, cfg, pad_id, cfg.seed)
 
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
   model = create_dflash(dcfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype))
   print(f"DFlash drafter: {param_count(model) / 1e6:.2f}M parameters (+ the target's frozen embedding/head), "
         f"{len(train_rows)} train / {len(val_rows)} val rows, target layers {dcfg.target_layer_ids}, block "
         f"{cfg.block_size}, window {cfg.context_len} x {cfg.anchors_per_window} anchors")
 
-  mesh = shd.make_mesh(cfg.mesh_data or None)
-  if cfg.batch_size % mesh.shape["data"]:
-    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
   graphdef, params = nnx.split(model)
-  optimizer = make_optimizer(cfg.optim, cfg.steps)
-  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
-
-  data_sharding = shd.batch_sharding(mesh)
-  io = jax.device_put(target_io(target), shd.replicated(mesh))
-  tap_fn = make_tap_fn(target, dcfg.taps)
+  run = start_run(cfg, params, resume=resume)
+  io = run.replicate(target_io(target))
+  tap_fn = make_tap_fn(target, dcfg.taps, place=run.replicate)
 
   def batch_fn(step):
-    batch = jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding)
-    return dict(batch, taps=tap_fn(batch["tokens"]), io=io)
+    batch = run.batch(lambda rows: sampler.batch(step, cfg.batch_size, rows), cfg.batch_size)
+    return dict(batch, taps=tap_fn(batch["tokens"]), io=io)  # each process runs the target on its own rows
 
   def loss_fn(p, batch):
     return dflash_loss(nnx.merge(graphdef, p), batch)
 
   t0 = time.time()
-  state, finished = train_until(state, ckpt, mesh, loss_fn, optimizer, batch_fn, steps=cfg.steps,
-                                stop_after_steps=cfg.stop_after_steps, log_path=out / "train_log.jsonl",
-                                log_every=cfg.log_every, tokens_per_step=cfg.batch_size * cfg.context_len,
-                                desc="train-drafter dflash")
-  if not finished:
-    return out / "checkpoints"
-  trained = nnx.merge(graphdef, state.params)
+  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
+                   desc="train-drafter dflash"):
+    return run.out / "checkpoints"
+  trained = nnx.merge(graphdef, run.local_params())
+  if not is_main_process():  # process 0 exports
+    return run.out / "final"
   return export_dflash(trained, cfg, target, target_dir, manifests, val_rows, pad_id, time.time() - t0)
 
 

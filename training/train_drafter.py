@@ -21,14 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax import sharding as shd
 from longspec_jax.config import ModelConfig
-from longspec_jax.distributed import host_values, is_main_process
+from longspec_jax.distributed import is_main_process
 from longspec_jax.kv_cache import KVCache
 from longspec_jax.model import create_model, default_target_config, param_count
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.trainer import OptimConfig, start_run
 
 # The PARD drafter's architecture (Qwen3-style, ~1.5M parameters at vocab 8192, most of them the tied embedding).
 DRAFTER_ARCH = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
@@ -111,18 +110,22 @@ class WindowSampler:
   def __len__(self):
     return len(self.lens)
 
-  def batch(self, step: int, batch_size: int) -> dict:
+  def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
+    """Rows `rows` of step `step`'s batch (a process builds only its own; every random draw is for the whole
+    batch, so the rows do not depend on how the batch is split)."""
     cfg = self.cfg
     c, km1, a = cfg.context_len, cfg.num_masks, cfg.anchors_per_window
     rng = np.random.default_rng([self.seed, step])
-    rows = rng.integers(0, len(self.lens), size=batch_size)
-    offs = np.asarray([rng.integers(0, max(self.lens[r] - (c + 1), 0) + 1) for r in rows])
-    valid = np.minimum(self.lens[rows] - offs, c + 1)  # real tokens in each window (inputs + last target)
+    picks = rng.integers(0, len(self.lens), size=batch_size)
+    offs = np.asarray([rng.integers(0, max(self.lens[r] - (c + 1), 0) + 1) for r in picks])
+    u = rng.random((batch_size, a))
+    picks, offs, u = picks[rows], offs[rows], u[rows]
+    valid = np.minimum(self.lens[picks] - offs, c + 1)  # real tokens in each window (inputs + last target)
     cols = offs[:, None] + np.arange(c + 1 + km1)[None, :]
-    toks = np.take_along_axis(self.tokens[rows], np.minimum(cols, self.tokens.shape[1] - 1), axis=1)
+    toks = np.take_along_axis(self.tokens[picks], np.minimum(cols, self.tokens.shape[1] - 1), axis=1)
     ntp_w = (np.arange(1, c + 1)[None, :] < valid[:, None]).astype(np.float32)
     # Anchor a (a real input position with a real next token) predicts x[a+1]; its mask j (1..K-1) x[a+1+j].
-    anchors = (rng.random((batch_size, a)) * (valid[:, None] - 1)).astype(np.int32)
+    anchors = (u * (valid[:, None] - 1)).astype(np.int32)
     tgt_pos = anchors[..., None] + 1 + np.arange(1, km1 + 1)
     mask_tgt = np.take_along_axis(toks[:, None, :], tgt_pos, axis=2)
     mask_w = (tgt_pos < valid[:, None, None]).astype(np.float32)
@@ -190,36 +193,25 @@ def train_standalone_drafter(cfg: DrafterTrainConfig, resume: bool = True) -> Pa
   pad_id = target.pad_token_id if target.pad_token_id is not None else target.eos_token_id or 0
   sampler = WindowSampler(train_rows, cfg, pad_id, cfg.seed)
 
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
   model = create_model(model_cfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype), attn_block=cfg.attn_block)
   print(f"PARD drafter: {param_count(model) / 1e6:.2f}M parameters, {len(train_rows)} train / {len(val_rows)} "
         f"val rows, window {cfg.context_len} + {cfg.num_masks} masks x {cfg.anchors_per_window} anchors")
-
-  mesh = shd.make_mesh(cfg.mesh_data or None)
-  if cfg.batch_size % mesh.shape["data"]:
-    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
   graphdef, params = nnx.split(model)
-  optimizer = make_optimizer(cfg.optim, cfg.steps)
-  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
+  run = start_run(cfg, params, resume=resume)
 
   def loss_fn(p, batch):
     return pard_loss(nnx.merge(graphdef, p), batch, cfg.num_masks, target.mask_token_id, cfg.mask_weight)
 
-  def batch_fn(step):  # with several processes, each hands over only its own rows of the global batch
-    return shd.global_batch(sampler.batch(step, cfg.batch_size), mesh)
+  def batch_fn(step):
+    return run.batch(lambda rows: sampler.batch(step, cfg.batch_size, rows), cfg.batch_size)
 
   t0 = time.time()
-  state, finished = train_until(state, ckpt, mesh, loss_fn, optimizer, batch_fn, steps=cfg.steps,
-                                stop_after_steps=cfg.stop_after_steps, log_path=out / "train_log.jsonl",
-                                log_every=cfg.log_every, tokens_per_step=cfg.batch_size * cfg.context_len,
-                                desc="train-drafter")
-  if not finished:
-    return out / "checkpoints"
-  trained = nnx.merge(graphdef, jax.tree.map(jnp.asarray, host_values(state.params)))
+  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
+                   desc="train-drafter"):
+    return run.out / "checkpoints"
+  trained = nnx.merge(graphdef, run.local_params())
   if not is_main_process():  # process 0 exports
-    return out / "final"
+    return run.out / "final"
   return export_drafter(trained, cfg, target_dir, manifest, val_rows, pad_id, train_s=time.time() - t0)
 
 

@@ -23,15 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax import sharding as shd
 from longspec_jax.attention import NEG_INF
+from longspec_jax.distributed import is_main_process
 from longspec_jax.drafters.eagle3 import (Eagle3Net, create_eagle3_net, default_aux_layers, drafter_config,
                                           save_eagle3)
 from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.train_drafter import _split_rows, _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.train_drafter import _split_rows, _target_config
+from longspec_jax.training.trainer import OptimConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +85,16 @@ class Windows:
       self.tokens[i, :len(r)] = r
     self.width, self.seed = width, seed
 
-  def batch(self, step: int, batch_size: int) -> dict:
+  def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
+    """Rows `rows` of step `step`'s batch (a process builds only its own; every random draw is for the whole
+    batch, so the rows do not depend on how the batch is split)."""
     rng = np.random.default_rng([self.seed, step])
-    rows = rng.integers(0, len(self.lens), size=batch_size)
-    offs = np.asarray([rng.integers(0, max(self.lens[r] - self.width, 0) + 1) for r in rows])
+    picks = rng.integers(0, len(self.lens), size=batch_size)
+    offs = np.asarray([rng.integers(0, max(self.lens[r] - self.width, 0) + 1) for r in picks])
+    picks, offs = picks[rows], offs[rows]
     cols = offs[:, None] + np.arange(self.width)[None, :]
-    toks = np.take_along_axis(self.tokens[rows], cols, axis=1)
-    valid = np.minimum(self.lens[rows] - offs, self.width).astype(np.int32)
+    toks = np.take_along_axis(self.tokens[picks], cols, axis=1)
+    valid = np.minimum(self.lens[picks] - offs, self.width).astype(np.int32)
     return {"tokens": toks, "valid": valid}
 
 
@@ -226,41 +229,32 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
   head = target.embed_tokens.embedding[...].T if target.lm_head is None else target.lm_head.kernel[...]
   net.lm_head.kernel[...] = jnp.asarray(head, jnp.float32)
 
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "train_config.json").write_text(json.dumps(
-      {**dataclasses.asdict(cfg), "data_dirs_used": [d for d, _, _ in data]}, indent=2))
   print(f"EAGLE-3 drafter: {param_count(net) / 1e6:.2f}M parameters, aux layers {aux}, {len(train_rows)} train / "
         f"{len(val_rows)} val rows from {[d for d, _, _ in data]}, window {cfg.context_len}, "
         f"{cfg.ttt_steps} TTT steps")
 
-  mesh = shd.make_mesh(cfg.mesh_data or None)
-  if cfg.batch_size % mesh.shape["data"]:
-    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
   graphdef, params = nnx.split(net)
   tgraph, tparams = nnx.split(target)
-  optimizer = make_optimizer(cfg.optim, cfg.steps)
-  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
+  run = start_run(cfg, params, resume=resume,
+                  record={**dataclasses.asdict(cfg), "data_dirs_used": [d for d, _, _ in data]})
 
   def loss_fn(p, batch):
     # The frozen target travels in the batch (replicated), so it is an argument of the step, not a constant.
     return ttt_loss(nnx.merge(graphdef, p), nnx.merge(tgraph, batch["target"]), batch, cfg.ttt_steps,
                     cfg.step_decay, aux, pad_id)
 
-  data_sharding = shd.batch_sharding(mesh)
-  frozen = jax.device_put(tparams, shd.replicated(mesh))
+  frozen = run.replicate(tparams)
 
   def batch_fn(step):
-    return {**jax.device_put(sampler.batch(step, cfg.batch_size), data_sharding), "target": frozen}
+    return {**run.batch(lambda rows: sampler.batch(step, cfg.batch_size, rows), cfg.batch_size), "target": frozen}
 
   t0 = time.time()
-  state, finished = train_until(state, ckpt, mesh, loss_fn, optimizer, batch_fn, steps=cfg.steps,
-                                stop_after_steps=cfg.stop_after_steps, log_path=out / "train_log.jsonl",
-                                log_every=cfg.log_every, tokens_per_step=cfg.batch_size * cfg.context_len,
-                                desc="train-eagle3")
-  if not finished:
-    return out / "checkpoints"
-  trained = nnx.merge(graphdef, jax.device_get(state.params))
+  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
+                   desc="train-eagle3"):
+    return run.out / "checkpoints"
+  trained = nnx.merge(graphdef, run.local_params())
+  if not is_main_process():  # process 0 exports
+    return run.out / "final"
   return export_eagle3(trained, target, cfg, aux, target_dir, data, val_rows, pad_id, time.time() - t0)
 
 

@@ -37,11 +37,11 @@ from longspec_jax.drafters.longspark import (LongSparkModel, _final_norm, create
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
 from longspec_jax.rope import apply_rope, rope_frequencies
-from pallas_kernels.query_scaled_attention import merge_attention_views
-from training.drafter_data import load_drafter_data, target_name, weights_sha256
-from training.losses import cross_entropy
-from training.train_drafter import _target_config
-from training.trainer import OptimConfig, make_optimizer, start_or_resume, train_until
+from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_views
+from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.train_drafter import _target_config
+from longspec_jax.training.trainer import OptimConfig, start_run
 
 CACHE_VERSION = 1
 
@@ -331,23 +331,16 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   samplers = [AnchorSampler(caches[0], order[n_val:], cfg, cfg.seed)]
   samplers += [AnchorSampler(c, np.arange(len(c.rows)), cfg, cfg.seed + 1 + j) for j, c in enumerate(caches[1:])]
 
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
   model = create_longspark(dcfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype))
   print(f"LongSpark drafter: {param_count(model) / 1e6:.2f}M parameters (+ the target's frozen embedding/norm/head), "
         f"target layers {dcfg.target_layer_ids}, windows {[len(s.windows) for s in samplers]} (+{n_val} val), "
         f"prefix rows {[s.cp for s in samplers]}, {cfg.anchors_per_window} anchors/window")
 
-  mesh = shd.make_mesh(cfg.mesh_data or None)
-  if cfg.batch_size % mesh.shape["data"]:
-    raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {mesh.shape['data']} data devices")
   graphdef, params = nnx.split(model)
-  optimizer = make_optimizer(cfg.optim, cfg.steps)
-  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
-  io = jax.device_put(longspark_io(target), shd.replicated(mesh))
-  batch_sharding = shd.batch_sharding(mesh)
-  kv_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
+  run = start_run(cfg, params, resume=resume)
+  io = run.replicate(longspark_io(target))
+  batch_sharding = shd.batch_sharding(run.mesh)
+  kv_sharding = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, "data"))
 
   def batch_fn(step):
     # Data dirs take turns (each keeps its own fixed shapes, so the step compiles once per dir).
@@ -360,13 +353,10 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
     return longspark_loss(nnx.merge(graphdef, p), batch)
 
   t0 = time.time()
-  state, finished = train_until(state, ckpt, mesh, loss_fn, optimizer, batch_fn, steps=cfg.steps,
-                                stop_after_steps=cfg.stop_after_steps, log_path=out / "train_log.jsonl",
-                                log_every=cfg.log_every, tokens_per_step=cfg.batch_size * cfg.anchors_per_window,
-                                desc="train-drafter longspark")
-  if not finished:
-    return out / "checkpoints"
-  trained = nnx.merge(graphdef, state.params)
+  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window,
+                   desc="train-drafter longspark"):
+    return run.out / "checkpoints"
+  trained = nnx.merge(graphdef, run.local_params())
   val_sampler = AnchorSampler(caches[0], val, cfg, cfg.seed)
   return export_longspark(trained, cfg, target, target_dir, [l[1] for l in loaded], val_sampler, val,
                           time.time() - t0)

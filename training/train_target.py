@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax import sharding as shd
+from longspec_jax.distributed import is_main_process
 from longspec_jax.model import create_model, default_target_config
 from longspec_jax.tokenizer import load_tokenizer, special_token_ids
-from training.data import TokenStream, load_corpus, tokenize_split
-from training.losses import cross_entropy
-from training.trainer import (Checkpointer, OptimConfig, Stage, TrainState, make_optimizer, start_or_resume,
-                              make_train_step, stage_at, train_loop)
+from longspec_jax.training.data import TokenStream, load_corpus, tokenize_split
+from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.trainer import (Checkpointer, OptimConfig, Stage, TrainState, make_optimizer, stage_at,
+                                           start_run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +43,20 @@ class TargetTrainConfig:
 
 
 def token_stream(cfg: TargetTrainConfig, split: str = "train") -> TokenStream:
-  """Tokenized split, cached as .npy beside the run (tokenizing 28M chars takes a while on 2 cores)."""
+  """Tokenized split, cached as .npy beside the run (tokenizing 28M chars takes a while on 2 cores). Every process
+  of a multi-host run without the cache tokenizes on its own; process 0 writes the cache (whole, by a rename, so a
+  process that finds it never reads half a file)."""
   cache = Path(cfg.out_dir) / f"tokens_{split}.npy"
   if cache.exists():
     return TokenStream(np.load(cache), seed=cfg.seed)
   tok = load_tokenizer(cfg.tokenizer_dir)
   ids = tokenize_split(tok, load_corpus(cfg.corpus_dir)[split]["text"], special_token_ids(tok)["eos"])
-  cache.parent.mkdir(parents=True, exist_ok=True)
-  np.save(cache, ids)
+  if is_main_process():
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".{cache.name}.tmp")
+    with open(tmp, "wb") as f:
+      np.save(f, ids)
+    os.replace(tmp, cache)
   return TokenStream(ids, seed=cfg.seed)
 
 
@@ -64,19 +70,16 @@ def build(cfg: TargetTrainConfig, vocab_size: int):
 
 
 def train_target(cfg: TargetTrainConfig, resume: bool = True) -> Path:
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
+  """Trains the target; returns the exported HF directory (or the checkpoint dir when stopped early)."""
   tok = load_tokenizer(cfg.tokenizer_dir)
   stream = token_stream(cfg)
   model_cfg, models = build(cfg, tok.get_vocab_size())
-  (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-  (out / "model_config.json").write_text(json.dumps(model_cfg.to_hf_dict(), indent=2))
-
-  mesh = shd.make_mesh(cfg.mesh_data or None)
   graphdefs = {r: nnx.split(m)[0] for r, m in models.items()}
   params = nnx.split(models[False])[1]
-  optimizer = make_optimizer(cfg.optim, cfg.total_steps)
-  state, ckpt = start_or_resume(params, optimizer, mesh, out / "checkpoints", cfg.checkpoint_every_minutes, resume)
+  run = start_run(cfg, params, resume=resume, total_steps=cfg.total_steps,
+                  batch_sizes=tuple(s.batch_size for s in cfg.stages))
+  if is_main_process():
+    (run.out / "model_config.json").write_text(json.dumps(model_cfg.to_hf_dict(), indent=2))
 
   def make_loss(graphdef):
     def loss_fn(p, batch):
@@ -87,34 +90,29 @@ def train_target(cfg: TargetTrainConfig, resume: bool = True) -> Path:
       return loss, {}
     return loss_fn
 
-  steps = {r: make_train_step(make_loss(g), optimizer) for r, g in graphdefs.items()}
-  data_sharding = shd.batch_sharding(mesh)
+  steps = {r: run.train_step(make_loss(g)) for r, g in graphdefs.items()}
 
   def batch_fn(step):
     st = stage_at(cfg.stages, step)
-    return {"tokens": jax.device_put(stream.batch(step, st.batch_size, st.seq_len), data_sharding)}
+    return run.batch(lambda rows: {"tokens": stream.batch(step, st.batch_size, st.seq_len, rows)}, st.batch_size)
 
   def step_fn(state, batch):
     remat = batch["tokens"].shape[1] - 1 >= cfg.remat_min_len
     return steps[remat](state, batch)
 
-  end = min(cfg.total_steps, cfg.stop_after_steps or cfg.total_steps)
-  with jax.set_mesh(mesh):
-    state = train_loop(state, step_fn, batch_fn, end, ckpt, out / "train_log.jsonl",
-                       log_every=cfg.log_every,
-                       tokens_fn=lambda s: stage_at(cfg.stages, s).seq_len * stage_at(cfg.stages, s).batch_size,
-                       desc="train-target")
-  ckpt.close()
-  if end < cfg.total_steps:
-    print(f"stopped after step {end} of {cfg.total_steps}; rerun the same command to continue")
-    return out / "checkpoints"
-  return export_final(nnx.merge(graphdefs[False], state.params), cfg, stream)
+  if not run.train(step_fn, batch_fn, desc="train-target",
+                   tokens_fn=lambda s: stage_at(cfg.stages, s).seq_len * stage_at(cfg.stages, s).batch_size):
+    return run.out / "checkpoints"
+  model = nnx.merge(graphdefs[False], run.local_params())
+  if not is_main_process():  # process 0 exports
+    return run.out / "final"
+  return export_final(model, cfg, stream)
 
 
 def export_final(model, cfg: TargetTrainConfig, stream: TokenStream) -> Path:
   """HF directory with the tokenizer and the training split's unigram log-probs (the eval baseline, and the
   prior DeLS-Spec subtracts)."""
-  from inference.eval_target import unigram_log_probs
+  from longspec_jax.inference.eval_target import unigram_log_probs
   from longspec_jax.hf_io import save_model_dir
   final = save_model_dir(model, Path(cfg.out_dir) / "final", tokenizer_dir=cfg.tokenizer_dir,
                          dtype=jnp.bfloat16)

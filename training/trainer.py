@@ -13,7 +13,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -22,10 +22,11 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from longspec_jax import sharding as shd
-from longspec_jax.distributed import agree, is_main_process
+from longspec_jax.distributed import agree, host_values, is_main_process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,18 +118,6 @@ def init_train_state(params: nnx.State, optimizer, mesh, rules=shd.DATA_PARALLEL
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
-def start_or_resume(params: nnx.State, optimizer, mesh, ckpt_dir, every_minutes: float,
-                    resume: bool = True) -> tuple[TrainState, "Checkpointer"]:
-  """Fresh sharded train state, replaced by the latest checkpoint in `ckpt_dir` when there is one."""
-  with jax.set_mesh(mesh):
-    state = init_train_state(params, optimizer, mesh)
-  ckpt = Checkpointer(ckpt_dir, every_minutes)
-  if resume and ckpt.latest_step() is not None:
-    state = ckpt.restore(state)
-    print(f"resumed from step {int(state.step)}")
-  return state, ckpt
-
-
 def make_train_step(loss_fn: Callable, optimizer):
   """loss_fn(params, batch) -> (loss, metrics dict). Returns a jitted (state, batch) -> (state, metrics)."""
 
@@ -174,16 +163,71 @@ def train_loop(state: TrainState, train_step, batch_fn: Callable[[int], dict], t
   return state
 
 
-def train_until(state: TrainState, checkpointer: Checkpointer, mesh, loss_fn: Callable, optimizer,
-                batch_fn: Callable[[int], dict], *, steps: int, stop_after_steps: int, log_path: str | Path,
-                log_every: int, tokens_per_step: int, desc: str) -> tuple[TrainState, bool]:
-  """Drafter/target runs: trains to `steps`, or stops (checkpointed) after `stop_after_steps` when that is set
-  and smaller. Returns (state, finished)."""
-  end = min(steps, stop_after_steps or steps)
+@dataclasses.dataclass
+class Run:
+  """One training run as every trainer sets it up (`start_run`): the output directory, a data-parallel mesh over
+  every process's devices, the optimizer and the train state. The same program runs on every process; each builds
+  only its own rows of a batch (`batch`), process 0 writes the log and the exports."""
+  cfg: Any  # the trainer's config (out_dir, mesh_data, optim, checkpoint_every_minutes, log_every, stop_after_steps)
+  out: Path
+  mesh: Mesh
+  optimizer: optax.GradientTransformation
+  state: TrainState
+  checkpointer: Checkpointer
+  total_steps: int
+
+  def batch(self, build_rows: Callable[[slice], dict], batch_size: int) -> dict:
+    """The global batch sharded on the mesh: build_rows(rows) gives rows[lo:hi] of it, this process's rows."""
+    return shd.process_batch(build_rows, batch_size, self.mesh)
+
+  def replicate(self, tree):
+    """A copy of `tree` on every device of the mesh (every process must pass the same values, e.g. a frozen
+    target); jitted steps take it as an argument."""
+    return jax.device_put(jax.tree.map(np.asarray, tree), shd.replicated(self.mesh))
+
+  def train_step(self, loss_fn: Callable):
+    return make_train_step(loss_fn, self.optimizer)
+
+  def train(self, train_step, batch_fn: Callable[[int], dict], *, tokens_fn: Callable[[int], int],
+            desc: str) -> bool:
+    """Trains to total_steps, or stops (checkpointed) after cfg.stop_after_steps when that is set and smaller.
+    Returns whether the run is finished."""
+    steps = self.total_steps
+    end = min(steps, self.cfg.stop_after_steps or steps)
+    with jax.set_mesh(self.mesh):
+      self.state = train_loop(self.state, train_step, batch_fn, end, self.checkpointer, self.out / "train_log.jsonl",
+                              log_every=self.cfg.log_every, tokens_fn=tokens_fn, desc=desc)
+    self.checkpointer.close()
+    if end < steps:
+      print(f"stopped after step {end} of {steps}; rerun the same command to continue")
+    return end == steps
+
+  def local_params(self):
+    """The trained parameters as single-device arrays on every process (gathered where the mesh spans several),
+    for export and validation outside the mesh. All processes must call it together."""
+    return jax.tree.map(jnp.asarray, host_values(self.state.params))
+
+
+def start_run(cfg, params, *, resume: bool, total_steps: int | None = None,
+              batch_sizes: tuple[int, ...] | None = None, record: dict | None = None) -> Run:
+  """The setup every trainer shares: `cfg.out_dir` with train_config.json (`record`, default the config; written
+  by process 0), a mesh of `cfg.mesh_data` (0 = all) data devices that divides every batch size (default
+  `cfg.batch_size`), the optimizer for `total_steps` (default `cfg.steps`), and the train state: fresh, or the
+  latest checkpoint in out_dir/checkpoints when `resume`."""
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  if is_main_process():
+    (out / "train_config.json").write_text(json.dumps(record or dataclasses.asdict(cfg), indent=2))
+  mesh = shd.make_mesh(cfg.mesh_data or None)
+  for size in batch_sizes or (cfg.batch_size,):
+    if size % mesh.shape["data"]:
+      raise ValueError(f"batch size {size} is not divisible by the {mesh.shape['data']} data devices")
+  total_steps = total_steps or cfg.steps
+  optimizer = make_optimizer(cfg.optim, total_steps)
   with jax.set_mesh(mesh):
-    state = train_loop(state, make_train_step(loss_fn, optimizer), batch_fn, end, checkpointer, log_path,
-                       log_every=log_every, tokens_fn=lambda s: tokens_per_step, desc=desc)
-  checkpointer.close()
-  if end < steps:
-    print(f"stopped after step {end} of {steps}; rerun the same command to continue")
-  return state, end == steps
+    state = init_train_state(params, optimizer, mesh)
+  ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint_every_minutes)
+  if resume and ckpt.latest_step() is not None:
+    state = ckpt.restore(state)
+    print(f"resumed from step {int(state.step)}")
+  return Run(cfg, out, mesh, optimizer, state, ckpt, total_steps)

@@ -90,9 +90,12 @@ def drafter_path(name: str, drafter_dir=None) -> Path:
 BUDGET_DRAFTERS = ("budget",)
 
 
-def build_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
-                  budget: int | None = None) -> LoadedDrafter | None:
-  """sharpdraft: "off" | "fixed" | "exact" (reads sharpdraft.json beside the drafter checkpoint).
+def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
+                 budget: int | None = None) -> LoadedDrafter | None:
+  """The drafter of method `name` (see method_names()) for `target`, for `generate(..., drafter=)`; None for "ar".
+
+  drafter_dir: a trained checkpoint directory (None = the one shipped for the default target).
+  sharpdraft: "off" | "fixed" | "exact" (reads sharpdraft.json beside the drafter checkpoint).
   budget: drafter KV entries kept from the prompt (BUDGET_DRAFTERS only; None = their default, 256)."""
   from longspec_jax.sharpdraft import CHOICES, load_sharpdraft
   if sharpdraft not in CHOICES:

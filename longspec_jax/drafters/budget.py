@@ -34,8 +34,9 @@ from longspec_jax.attention import masked_attention
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.drafters.standalone import pick_token
 from longspec_jax.rope import rope_frequencies
-from pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention, select_chunks
-from pallas_kernels.sparse_kv_gather import chunk_positions, gather_kv_chunks
+from longspec_jax.pallas_kernels.query_scaled_attention import (merge_attention_views, query_scaled_attention,
+                                                                select_chunks)
+from longspec_jax.pallas_kernels.sparse_kv_gather import chunk_positions, gather_kv_chunks
 
 CHUNK = 8  # tokens per selectable chunk (the paper's chunk size)
 _LAST = 2 ** 30  # sorts empty slots (-1) after every real chunk index

@@ -31,7 +31,7 @@ from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import apply_rope, rope_frequencies
 from longspec_jax.sampling import processed_log_probs
-from pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention
+from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention
 
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")

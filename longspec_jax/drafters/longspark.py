@@ -39,7 +39,7 @@ from longspec_jax.drafters.dflash import default_target_layer_ids, embed_tokens,
 from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.sampling import processed_log_probs
-from pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention
+from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention
 
 ARCHITECTURE = "LongSparkDraftModel"
 LONGSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_global_slots", "raw_window",

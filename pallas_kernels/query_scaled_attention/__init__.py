@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import _common
-from pallas_kernels._common import BlockSizes, GPU_BLOCK_SIZES, TPU_BLOCK_SIZES
-from pallas_kernels.query_scaled_attention import gpu, reference, tpu
-from pallas_kernels.query_scaled_attention.reference import (
+from longspec_jax.pallas_kernels import _common
+from longspec_jax.pallas_kernels._common import BlockSizes, GPU_BLOCK_SIZES, TPU_BLOCK_SIZES
+from longspec_jax.pallas_kernels.query_scaled_attention import gpu, reference, tpu
+from longspec_jax.pallas_kernels.query_scaled_attention.reference import (
     chunk_positions,
     reference_merge_attention_views,
     reference_query_scaled_attention,

@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common
+from longspec_jax.pallas_kernels import _common
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _MIN_DOT = 16

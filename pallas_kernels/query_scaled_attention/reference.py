@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _common
+from longspec_jax.pallas_kernels import _common
 
 
 def sharpdraft_rho(n_visible, alpha, n0):

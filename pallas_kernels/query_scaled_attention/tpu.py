@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common
+from longspec_jax.pallas_kernels import _common
 
 _DTYPES = (jnp.float32, jnp.bfloat16)
 

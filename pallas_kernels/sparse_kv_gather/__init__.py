@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import _common
-from pallas_kernels._common import BlockSizes, GPU_BLOCK_SIZES, TPU_BLOCK_SIZES, num_selected_chunks
-from pallas_kernels.query_scaled_attention import chunk_positions, run_attention
-from pallas_kernels.sparse_kv_gather import gpu, tpu
-from pallas_kernels.sparse_kv_gather.reference import (
+from longspec_jax.pallas_kernels import _common
+from longspec_jax.pallas_kernels._common import BlockSizes, GPU_BLOCK_SIZES, TPU_BLOCK_SIZES, num_selected_chunks
+from longspec_jax.pallas_kernels.query_scaled_attention import chunk_positions, run_attention
+from longspec_jax.pallas_kernels.sparse_kv_gather import gpu, tpu
+from longspec_jax.pallas_kernels.sparse_kv_gather.reference import (
     check_gather_inputs,
     reference_gather_kv_chunks,
     reference_sparse_chunk_attention,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common
+from longspec_jax.pallas_kernels import _common
 
 
 def unsupported_reason(*, head_dim: int, chunk_size: int, block_sizes: _common.BlockSizes) -> str | None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import _common
-from pallas_kernels.query_scaled_attention import reference as qsa_reference
-from pallas_kernels.query_scaled_attention.reference import chunk_positions
+from longspec_jax.pallas_kernels import _common
+from longspec_jax.pallas_kernels.query_scaled_attention import reference as qsa_reference
+from longspec_jax.pallas_kernels.query_scaled_attention.reference import chunk_positions
 
 
 def reference_gather_kv_chunks(k, v, chunk_idx, *, chunk_size: int):

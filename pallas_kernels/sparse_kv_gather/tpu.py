@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common
+from longspec_jax.pallas_kernels import _common
 
 
 def _kernel(idx_ref, k_hbm, v_hbm, k_out, v_out, sems, *, kv_heads, n_sel, chunk, n_chunks, depth):
