@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longspec_jax.inference.generate import cache_len_for, generate, pad_prompts
-from longspec_jax.drafters import load_drafter as build_drafter
+from longspec_jax.drafters import load_drafter
 from longspec_jax.drafters.base import (DEFAULT_NUM_DRAFT, PrefillResult, ProposeContext, default_num_draft,
                                        state_nbytes)
 from longspec_jax.kv_cache import COMPILER_OPTIONS
@@ -105,7 +105,7 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
   in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)
   cfg = model.cfg
-  drafter = build_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget)
+  drafter = load_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget)
   if num_draft is None:
     num_draft = default_num_draft(drafter.spec) if drafter is not None else DEFAULT_NUM_DRAFT
   prompts = bench_prompts(tok.encode(text).ids, context, batch, cfg.bos_token_id)

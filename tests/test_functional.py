@@ -18,6 +18,7 @@ from longspec_jax.inference.functional import (GenerationOutput, generate_arrays
 from longspec_jax.inference.generate import generate
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.kv_cache import COMPILER_OPTIONS
 from longspec_jax.model import create_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,7 @@ def _prompts(lengths, seed):
 
 
 def test_user_jit_twice_one_compile_ar(target):
-  gen = jax.jit(generate_arrays, static_argnums=0)
+  gen = jax.jit(generate_arrays, static_argnums=0, compiler_options=COMPILER_OPTIONS)
   kw = dict(max_new_tokens=12, eos_id=-1)
   calls = [(_prompts([7, 20], 0), dict()), (_prompts([30, 3], 1), dict(temperature=0.8, top_p=0.9, seed=5))]
   counts = []
@@ -72,7 +73,7 @@ def test_user_jit_twice_one_compile_ar(target):
 
 
 def test_user_jit_twice_one_compile_speculative(target, drafter):
-  gen = jax.jit(generate_arrays, static_argnums=0)
+  gen = jax.jit(generate_arrays, static_argnums=0, compiler_options=COMPILER_OPTIONS)
   kw = dict(max_new_tokens=16, eos_id=-1, drafter=drafter, num_draft_tokens=3)
   counts = []
   # Greedy twice, then sampled twice: sampling verification is another program (static `sample`).
