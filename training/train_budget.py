@@ -28,6 +28,7 @@ from flax import nnx
 
 from longspec_jax import sharding as shd
 from longspec_jax.attention import causal_attention, masked_attention
+from longspec_jax.distributed import is_main_process
 from longspec_jax.drafters.budget import CHUNK, check_budget, select_budget_chunks, selection_lengths
 from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
@@ -250,6 +251,8 @@ def train_budget(cfg: BudgetTrainConfig, resume: bool = True) -> Path:
   if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: tokens_per_step, desc="train-budget"):
     return run.out / "checkpoints"
   trained = run.local_params()
+  if not is_main_process():  # process 0 exports
+    return run.out / "final"
   val = LongRowSampler([rows[i] for i in val_idx], [labels[i] for i in val_idx], cfg, pad_id, cfg.seed + 1)
   metrics = {"initial": validation_metrics(graphdef, initial, val, cfg),
              "trained": validation_metrics(graphdef, trained, val, cfg)}

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
+from longspec_jax.distributed import is_main_process
 from longspec_jax.drafters.dels import (DeLSConfig, combine, local_block_logits, resolve_base_dir, save_dels_dir,
                                         unigram_log_prior)
 from longspec_jax.drafters.dflash import load_dflash_model, target_io
@@ -173,6 +174,8 @@ def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
   if not run.train(run.train_step(lambda p, b: dels_loss(dcfg, p, b)), batch_fn, desc="train-drafter dels",
                    tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window * (bs - 1)):
     return run.out / "checkpoints"
+  if not is_main_process():  # process 0 tunes and exports
+    return run.out / "final"
   head = jax.tree.map(np.asarray, merge_head(run.local_params(), target_io(target), log_prior))
   # Tune on exactly what ships: the tables rounded to bf16 (the prior stays fp32).
   head = {k: (x if k == "log_prior" else np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)))

@@ -31,6 +31,7 @@ from flax import nnx
 
 from longspec_jax import sharding as shd
 from longspec_jax.attention import masked_attention
+from longspec_jax.distributed import is_main_process
 from longspec_jax.drafters.dflash import head_logits
 from longspec_jax.drafters.longspark import (LongSparkModel, _final_norm, create_longspark, longspark_config_for,
                                              longspark_io, merge_rows, save_longspark_dir)
@@ -357,6 +358,8 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
                    desc="train-drafter longspark"):
     return run.out / "checkpoints"
   trained = nnx.merge(graphdef, run.local_params())
+  if not is_main_process():  # process 0 exports
+    return run.out / "final"
   val_sampler = AnchorSampler(caches[0], val, cfg, cfg.seed)
   return export_longspark(trained, cfg, target, target_dir, [l[1] for l in loaded], val_sampler, val,
                           time.time() - t0)
