@@ -99,8 +99,8 @@ def test_state_shape_constant_and_update_appends_context(target, dflash):
                            taps=taps[:, :20], new_kv=None, target_cache=None)
   ref = spec.init_state(params, pre_long, max_len)
   for i, n in enumerate([18, 11]):
-    np.testing.assert_allclose(np.asarray(s2.k[:, i, :n]), np.asarray(ref.k[:, i, :n]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(s2.v[:, i, :n]), np.asarray(ref.v[:, i, :n]), atol=1e-5)
+    np.testing.assert_allclose(np.stack(s2.k)[:, i, :n], np.stack(ref.k)[:, i, :n], atol=1e-5)
+    np.testing.assert_allclose(np.stack(s2.v)[:, i, :n], np.stack(ref.v)[:, i, :n], atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 20, 0.9)])

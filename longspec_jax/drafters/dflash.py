@@ -194,8 +194,10 @@ def head_logits(io, h):
 
 @flax.struct.dataclass
 class DFlashState:
-  k: jax.Array  # [L_d, B, S_max, Hkv, D] context keys (rows >= length are stale)
-  v: jax.Array
+  # Context keys / values, one [B, S_max, Hkv, D] buffer per drafter layer (rows >= length are stale): XLA:CPU
+  # copies a layer's slice of a stacked buffer before a product reads it.
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
   length: jax.Array  # [B] context rows = positions the target has processed and committed
 
 
@@ -227,10 +229,9 @@ class DFlashDrafter:
     b, t = prefill.taps.shape[:2]
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     k, v = model.context_kv(model.context(prefill.taps), pos)
-    shape = k.shape[:2] + (max_len,) + k.shape[3:]
-    kc = jnp.zeros(shape, model.dtype).at[:, :, :t].set(k.astype(model.dtype))
-    vc = jnp.zeros(shape, model.dtype).at[:, :, :t].set(v.astype(model.dtype))
-    return DFlashState(k=kc, v=vc, length=prefill.prompt_lens.astype(jnp.int32))
+    shape = (b, max_len) + k.shape[3:]
+    buffers = lambda x: tuple(jnp.zeros(shape, model.dtype).at[:, :t].set(xl.astype(model.dtype)) for xl in x)
+    return DFlashState(k=buffers(k), v=buffers(v), length=prefill.prompt_lens.astype(jnp.int32))
 
   def _query_scale(self, layer, q, num_keys):
     if self.sharpdraft is None:
@@ -279,9 +280,9 @@ class DFlashDrafter:
     k, v = model.context_kv(model.context(verify.taps), pos)
     rows = jnp.arange(b)[:, None]
     # All K+1 verified rows are written; only the committed ones count (length), the rest get overwritten.
-    kc = state.k.at[:, rows, pos].set(k.astype(state.k.dtype), mode="drop")
-    vc = state.v.at[:, rows, pos].set(v.astype(state.v.dtype), mode="drop")
-    return DFlashState(k=kc, v=vc, length=(verify.num_tokens - 1).astype(jnp.int32))
+    write = lambda bufs, new: tuple(buf.at[rows, pos].set(x.astype(buf.dtype), mode="drop")
+                                    for buf, x in zip(bufs, new))
+    return DFlashState(k=write(state.k, k), v=write(state.v, v), length=(verify.num_tokens - 1).astype(jnp.int32))
 
   def attention_logits(self, params, target, tokens):
     """Per drafter layer, pre-softmax logits [B, Hq, B_s, N] of the block anchored at the last token of `tokens`
