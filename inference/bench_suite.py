@@ -178,7 +178,7 @@ def load_target(model: str, rope_scaling: str = ""):
            "weights_sha256": weights_sha256(path)})
 
 
-def drafter_checkpoint(m: MethodSpec) -> dict | None:
+def drafter_checkpoint(m: MethodSpec, target=None) -> dict | None:
   """The checkpoint a method's drafter loads (directory and a hash of its weights, config.json and
   sharpdraft.json), so that results of a retrained drafter are never mixed with the old ones; None for methods
   without a checkpoint (AR, prompt lookup)."""
@@ -187,7 +187,7 @@ def drafter_checkpoint(m: MethodSpec) -> dict | None:
   if m.name == "ar":
     return None
   try:
-    path = drafter_path(m.name, m.drafter_dir)
+    path = drafter_path(m.name, m.drafter_dir, target)
   except FileNotFoundError:
     return None
   h = hashlib.sha256(weights_sha256(path).encode())
@@ -468,7 +468,7 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
     raise ValueError(f"context {max(cfg.contexts)} + new_tokens {cfg.new_tokens} + K+1 {max_k + 1} exceeds the "
                      f"target's maximum context {mcfg.max_position_embeddings}")
   eos = -1 if mcfg.eos_token_id is None else mcfg.eos_token_id
-  checkpoints = {m.text: drafter_checkpoint(m) for m in methods}
+  checkpoints = {m.text: drafter_checkpoint(m, model) for m in methods}
   # A RoPE override changes the target but not its weights.
   target_id = target["weights_sha256"] + (f"+{cfg.rope_scaling}" if cfg.rope_scaling else "")
 

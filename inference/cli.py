@@ -185,8 +185,6 @@ def cmd_bench(a) -> int:
   if a.sharpdraft != "off" and a.method not in ATTENTION_DRAFTERS:
     raise ValueError(f"--sharpdraft scales drafter attention; method {a.method!r} has none (it applies to "
                      f"{', '.join(sorted(ATTENTION_DRAFTERS))})")
-  if a.method in ATTENTION_DRAFTERS:
-    drafter_path(a.method, a.drafter)  # raises if the checkpoint is missing
   if a.peer == "transformers" and importlib.util.find_spec("torch") is None:
     raise ValueError("--peer transformers needs torch: pip install -e \".[test]\"")
   log = progress(a)
@@ -197,6 +195,8 @@ def cmd_bench(a) -> int:
 
   model_dir = _model_dir(a.model)
   cfg = ModelConfig.from_json_file(model_dir / "config.json")
+  if a.method in ATTENTION_DRAFTERS:
+    drafter_path(a.method, a.drafter, cfg)  # raises if the checkpoint is missing
   tok = load_tokenizer(model_dir)
   ids = tok.encode(text).ids
   bench_prompts(ids, a.context, a.batch, cfg.bos_token_id)  # raises if the text is too short for the flags

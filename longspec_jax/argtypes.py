@@ -46,6 +46,11 @@ def fraction(text: str) -> float:
   return v
 
 
+def int_list(text: str) -> tuple[int, ...]:
+  """Comma-separated integers >= 0 (layer indices)."""
+  return tuple(nonneg_int(p.strip()) for p in text.split(",") if p.strip())
+
+
 def _int(text: str) -> int:
   try:
     return int(text)

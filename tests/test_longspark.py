@@ -331,7 +331,7 @@ def test_train_longspark_exports_and_resumes_exactly(env, tmp_path):  # noqa: F8
 
   def cfg(out, **kw):
     return from_dict(LongSparkTrainConfig, dict(
-        data_dirs=[data_cfg.out_dir], cache_dir=str(tmp_path / "cache"), out_dir=str(tmp_path / out), num_layers=2,
+        data_dirs=[data_cfg.out_dir], out_dir=str(tmp_path / out), num_layers=2,
         raw_window=8, num_global_slots=4, markov_rank=8, anchors_per_window=4, batch_size=2, steps=12,
         optim=dict(lr=0.02, warmup_steps=2), val_windows=1, compute_dtype="float32", log_every=1,
         checkpoint_every_minutes=100.0, **kw))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from longspec_jax.argtypes import fraction, nonneg_float, nonneg_int, positive_int
+from longspec_jax.argtypes import fraction, int_list, nonneg_float, nonneg_int, positive_int
 
 # --drafter NAME -> (module, config class, train function); configs/drafter_NAME.yaml is the default config.
 DRAFTERS = {
@@ -34,7 +34,43 @@ def cmd_make_drafter_data(a) -> int:
   manifest = json.loads((Path(cfg.out_dir) / MANIFEST).read_text())
   print(json.dumps({k: manifest[k] for k in ("counts", "generation_s", "generated_tokens_per_s")}, indent=2))
   print(f"wrote {out}")
+  if a.cache_taps or a.cache_kv_layers:
+    _cache_features(cfg, a.cache_taps or "", a.cache_kv_layers)
   return 0
+
+
+def cache_tap_indices(spec: str, target_cfg) -> tuple[int, ...]:
+  """'dflash,eagle3,7' -> the union of DFlash's default taps (5 layers), EAGLE-3's default aux layers and 7."""
+  from longspec_jax.drafters.dflash import default_target_layer_ids
+  from longspec_jax.drafters.eagle3 import default_aux_layers
+
+  n = target_cfg.num_hidden_layers
+  named = {"dflash": [i + 1 for i in default_target_layer_ids(n, 5)], "eagle3": list(default_aux_layers(n))}
+  out = set()
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    if part in named:
+      out.update(named[part])
+    elif part.isdigit():
+      out.add(int(part))
+    else:
+      raise ValueError(f"--cache-taps: {part!r} is neither a tap index nor one of {sorted(named)}")
+  return tuple(sorted(out))
+
+
+def _cache_features(cfg, taps_spec: str, kv_layers) -> None:
+  import time
+
+  from longspec_jax.hf_io import load_model_dir, weights_sha256
+  from longspec_jax.training.feature_cache import build_feature_cache
+
+  target = load_model_dir(cfg.target_dir)
+  taps = cache_tap_indices(taps_spec or "dflash", target.cfg)
+  t0 = time.time()
+  d = build_feature_cache(cfg.out_dir, target, taps, kv_layers or (), weights_id=weights_sha256(cfg.target_dir))
+  size = sum(f.stat().st_size for f in d.iterdir())
+  rows = json.loads((d / "index.json").read_text())["meta"]["lens"]
+  print(f"feature cache {d}: taps {list(taps)}, kv layers {list(kv_layers or ())}, {size / 2**20:.0f} MiB "
+        f"({size / sum(rows) * 1024 / 2**20:.2f} MiB per 1K tokens), {time.time() - t0:.0f} s this run")
 
 
 def cmd_train_drafter(a) -> int:
@@ -68,6 +104,11 @@ def add_subcommands(subparsers) -> None:
   m.add_argument("--min-prompt-tokens", type=positive_int, default=128)
   m.add_argument("--max-prompt-tokens", type=positive_int, default=256)
   m.add_argument("--seed", type=nonneg_int, default=0)
+  m.add_argument("--cache-taps", metavar="SPEC",
+                 help="also cache the frozen target's taps for training, e.g. 'dflash,eagle3' (those drafters' "
+                      "default taps) or tap indices '2,15'; rerun on finished data to add the cache")
+  m.add_argument("--cache-kv-layers", type=int_list, metavar="L1,L2,...",
+                 help="also cache the post-RoPE K/V of these target layers")
   m.set_defaults(fn=cmd_make_drafter_data)
 
   t = subparsers.add_parser("train-drafter", help="train a drafter for the target on make-drafter-data output")

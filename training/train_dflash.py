@@ -28,6 +28,7 @@ from longspec_jax.distributed import is_main_process
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.feature_cache import open_row_taps, with_taps
 from longspec_jax.training.losses import cross_entropy
 from longspec_jax.training.train_drafter import _target_config
 from longspec_jax.training.trainer import OptimConfig, start_run
@@ -39,6 +40,11 @@ class DFlashTrainConfig:
   target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
   out_dir: str = "runs/drafter_dflash"
   num_layers: int = 2  # drafter decoder layers
+  model: dict = dataclasses.field(default_factory=dict)  # drafter layer overrides, e.g. intermediate_size
+  mask_token_id: int = -1  # -1 = the target's mask_token_id (a target without one needs an unused id here)
+  # Frozen-target taps: "auto" = each data dir's feature cache when present, "recompute" = run the target every
+  # step, "require" = the cache or an error.
+  features: str = "auto"
   num_target_taps: int = 5  # target layers read, evenly spaced from 1 to L-3
   block_size: int = 16
   context_len: int = 512  # n0: the longest window trained on (the data rows are at most this long)
@@ -70,16 +76,18 @@ class DFlashTrainConfig:
 
 class BlockSampler:
   """Windows + anchors + block labels; the batch for step s is a pure function of (seed, s), so a resumed run
-  replays the same batches. rows: (tokens, prompt length)."""
+  replays the same batches. rows: (tokens, prompt length[, data row id]); a batch names its windows by data row
+  id (default: the row's index) and start ("row", "start") so that their cached taps can be looked up."""
 
-  def __init__(self, rows: list[tuple[list[int], int]], cfg: DFlashTrainConfig, pad_id: int, seed: int):
-    rows = [(r, p) for r, p in rows if len(r) >= 3]
+  def __init__(self, rows: list[tuple], cfg: DFlashTrainConfig, pad_id: int, seed: int):
+    rows = [(row[0], row[1], row[2] if len(row) > 2 else i) for i, row in enumerate(rows) if len(row[0]) >= 3]
     if not rows:
       raise ValueError("no drafter data row has the 3+ tokens a DFlash block needs")
-    self.lens = np.asarray([len(r) for r, _ in rows])
-    self.prompt_lens = np.asarray([p for _, p in rows])
+    self.lens = np.asarray([len(r) for r, _, _ in rows])
+    self.prompt_lens = np.asarray([p for _, p, _ in rows])
+    self.row_ids = np.asarray([i for _, _, i in rows])
     self.tokens = np.full((len(rows), int(self.lens.max())), pad_id, np.int32)
-    for i, (r, _) in enumerate(rows):
+    for i, (r, _, _) in enumerate(rows):
       self.tokens[i, :len(r)] = r
     self.cfg, self.seed, self.pad_id = cfg, seed, pad_id
     self.slot_weight = np.exp(-np.arange(cfg.block_size - 1) / cfg.gamma).astype(np.float32)
@@ -108,7 +116,8 @@ class BlockSampler:
     tgt_pos = anchors[..., None] + np.arange(1, bs)[None, None, :]
     labels = np.take_along_axis(toks[:, None, :], np.minimum(tgt_pos, c - 1), axis=2)
     weights = (tgt_pos < valid[:, None, None]) * self.slot_weight[None, None, :]
-    return {"tokens": toks, "anchors": anchors, "labels": labels, "label_w": weights.astype(np.float32)}
+    return {"tokens": toks, "anchors": anchors, "labels": labels, "label_w": weights.astype(np.float32),
+            "row": self.row_ids[picks], "start": offs}
 
 
 def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors):
@@ -143,8 +152,9 @@ def dflash_loss(model, batch):
 
 
 def _load_rows(cfg: DFlashTrainConfig):
-  """(train rows, val rows, target dir, target config, manifests); held-out rows are whole sequences."""
-  rows, manifests, target = [], [], None
+  """(train rows, val rows, target dir, target config, manifests, datasets); held-out rows are whole sequences.
+  A row is (tokens, prompt length, id): ids number the rows of all data dirs in order."""
+  rows, manifests, datasets, target = [], [], [], None
   for d in cfg.data_dirs:
     ds, manifest = load_drafter_data(d)
     target_dir, t = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=d), manifest)
@@ -152,15 +162,18 @@ def _load_rows(cfg: DFlashTrainConfig):
       raise ValueError(f"drafter data dirs {cfg.data_dirs} come from targets with different vocabularies")
     target = target or (target_dir, t)
     manifests.append(manifest)
-    rows += [(list(p) + list(c), len(p)) for p, c in zip(ds["prompt"], ds["continuation"])]
-  top = max(max(r) for r, _ in rows)
+    datasets.append(ds)
+    rows += [(list(p) + list(c), len(p), len(rows) + i) for i, (p, c) in enumerate(zip(ds["prompt"],
+                                                                                        ds["continuation"]))]
+  top = max(max(r) for r, _, _ in rows)
   if top >= target[1].vocab_size:
     raise ValueError(f"drafter data has token id {top} >= the target's vocab_size {target[1].vocab_size}")
   order = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
   n_val = int(round(cfg.val_fraction * len(rows)))
   if n_val >= len(rows):
     raise ValueError(f"val_fraction {cfg.val_fraction} leaves no training rows out of {len(rows)}")
-  return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]], target[0], target[1], manifests
+  return ([rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]], target[0], target[1], manifests,
+          datasets)
 
 
 def make_tap_fn(target, taps, place=lambda params: params):
@@ -177,17 +190,21 @@ def make_tap_fn(target, taps, place=lambda params: params):
 
 def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   """Trains DFlash; returns the exported drafter directory (or the checkpoint dir when stopped early)."""
-  train_rows, val_rows, target_dir, target_cfg, manifests = _load_rows(cfg)
+  train_rows, val_rows, target_dir, target_cfg, manifests, datasets = _load_rows(cfg)
   target = load_model_dir(target_dir)
   dcfg = dflash_config_for(target_cfg, num_layers=cfg.num_layers, num_target_taps=cfg.num_target_taps,
-                           block_size=cfg.block_size)
+                           block_size=cfg.block_size,
+                           mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id, **cfg.model)
+  cached = open_row_taps(cfg.data_dirs, datasets, taps=dcfg.taps, weights_id=weights_sha256(target_dir),
+                         mode=cfg.features)
   pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
   sampler = BlockSampler(train_rows, cfg, pad_id, cfg.seed)
 
   model = create_dflash(dcfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype))
   print(f"DFlash drafter: {param_count(model) / 1e6:.2f}M parameters (+ the target's frozen embedding/head), "
         f"{len(train_rows)} train / {len(val_rows)} val rows, target layers {dcfg.target_layer_ids}, block "
-        f"{cfg.block_size}, window {cfg.context_len} x {cfg.anchors_per_window} anchors")
+        f"{cfg.block_size}, window {cfg.context_len} x {cfg.anchors_per_window} anchors, target taps "
+        f"{'from the feature cache' if cached else 'computed every step (no feature cache)'}")
 
   graphdef, params = nnx.split(model)
   run = start_run(cfg, params, resume=resume)
@@ -195,8 +212,11 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   tap_fn = make_tap_fn(target, dcfg.taps, place=run.replicate)
 
   def batch_fn(step):
-    batch = run.batch(lambda rows: sampler.batch(step, cfg.batch_size, rows), cfg.batch_size)
-    return dict(batch, taps=tap_fn(batch["tokens"]), io=io)  # each process runs the target on its own rows
+    batch = run.batch(lambda rows: with_taps(sampler.batch(step, cfg.batch_size, rows), cached, dcfg.taps,
+                                             model.dtype), cfg.batch_size)
+    if cached is None:
+      batch["taps"] = tap_fn(batch["tokens"])  # each process runs the target on its own rows
+    return dict(batch, io=io)
 
   def loss_fn(p, batch):
     return dflash_loss(nnx.merge(graphdef, p), batch)
@@ -208,10 +228,10 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   trained = nnx.merge(graphdef, run.local_params())
   if not is_main_process():  # process 0 exports
     return run.out / "final"
-  return export_dflash(trained, cfg, target, target_dir, manifests, val_rows, pad_id, time.time() - t0)
+  return export_dflash(trained, cfg, target, target_dir, manifests, val_rows, pad_id, time.time() - t0, cached)
 
 
-def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows, pad_id: int) -> dict:
+def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows, pad_id: int, cached=None) -> dict:
   """Held-out rows: block CE, top-1 per slot, and the mean number of leading correct slots (= greedy acceptance
   length where the row is the target's greedy output)."""
   if not rows:
@@ -220,7 +240,7 @@ def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows,
   bs = min(cfg.batch_size, cfg.val_windows)
   graphdef, params = nnx.split(model)
   io = target_io(target)
-  tap_fn = make_tap_fn(target, model.cfg.taps)
+  tap_fn = None if cached else make_tap_fn(target, model.cfg.taps)
 
   @jax.jit
   def stats(params, batch, taps):
@@ -234,8 +254,9 @@ def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows,
 
   acc = None
   for i in range(-(-cfg.val_windows // bs)):
-    batch = sampler.batch(i, bs)
-    part = stats(params, batch, tap_fn(jnp.asarray(batch["tokens"])))
+    batch = with_taps(sampler.batch(i, bs), cached, model.cfg.taps, model.dtype)
+    taps = batch.pop("taps") if cached else tap_fn(jnp.asarray(batch["tokens"]))
+    part = stats(params, batch, taps)
     acc = part if acc is None else tuple(x + y for x, y in zip(acc, part))
   ce_sum, n, hits, real, lead, full = (np.asarray(x, np.float64) for x in acc)
   return {"val_block_ce": round(float(ce_sum / n), 4),
@@ -244,7 +265,7 @@ def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows,
 
 
 def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target, target_dir: Path, manifests, val_rows,
-                  pad_id: int, train_s: float) -> Path:
+                  pad_id: int, train_s: float, cached=None) -> Path:
   out = Path(cfg.out_dir)
   log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
   last = log[-1] if log else {}
@@ -266,7 +287,8 @@ def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target, target_dir
       "final_loss": last.get("loss"),
       "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
       "parameters": param_count(model),
-      **validation_metrics(model, target, cfg, val_rows, pad_id),
+      "target_taps_from": "feature cache" if cached else "target forward per step",
+      **validation_metrics(model, target, cfg, val_rows, pad_id, cached),
   }
   (final / "drafter.json").write_text(json.dumps(info, indent=2))
   return final

@@ -171,17 +171,22 @@ def _target_config(cfg: DrafterTrainConfig, manifest: dict) -> tuple[Path, Model
   return target_dir, target
 
 
-def _split_rows(ds, cfg: DrafterTrainConfig, vocab_size: int) -> tuple[list, list]:
+def _split_ids(ds, cfg, vocab_size: int) -> tuple[list, np.ndarray, np.ndarray]:
+  """(rows, train indices, val indices): held-out rows are whole sequences, chosen by a seeded permutation."""
   rows = [list(p) + list(c) for p, c in zip(ds["prompt"], ds["continuation"])]
   top = max(max(r) for r in rows)
   if top >= vocab_size:
     raise ValueError(f"drafter data has token id {top} >= the target's vocab_size {vocab_size}")
-  # Held-out rows: whole sequences, chosen by a seeded permutation.
   order = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
   n_val = int(round(cfg.val_fraction * len(rows)))
   if n_val >= len(rows):
     raise ValueError(f"val_fraction {cfg.val_fraction} leaves no training rows out of {len(rows)}")
-  return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
+  return rows, order[n_val:], order[:n_val]
+
+
+def _split_rows(ds, cfg: DrafterTrainConfig, vocab_size: int) -> tuple[list, list]:
+  rows, train, val = _split_ids(ds, cfg, vocab_size)
+  return [rows[i] for i in train], [rows[i] for i in val]
 
 
 def train_standalone_drafter(cfg: DrafterTrainConfig, resume: bool = True) -> Path:

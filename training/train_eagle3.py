@@ -30,7 +30,8 @@ from longspec_jax.drafters.eagle3 import (Eagle3Net, create_eagle3_net, default_
 from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
-from longspec_jax.training.train_drafter import _split_rows, _target_config
+from longspec_jax.training.feature_cache import open_row_taps, with_taps
+from longspec_jax.training.train_drafter import _split_ids, _target_config
 from longspec_jax.training.trainer import OptimConfig, start_run
 
 
@@ -42,6 +43,12 @@ class Eagle3TrainConfig:
   out_dir: str = "runs/drafter_eagle3"
   model: dict = dataclasses.field(default_factory=dict)  # heads / head_dim / intermediate_size overrides
   aux_layers: tuple[int, ...] = ()  # () = default_aux_layers(L)
+  # Draft vocabulary: the N tokens most frequent in the training rows (EAGLE-3's d2t map); 0 = the full vocabulary.
+  # A label outside it gets no loss: the drafter can never propose it.
+  draft_vocab_size: int = 0
+  # Frozen-target taps: "auto" = each data dir's feature cache when present, "recompute" = run the target every
+  # step, "require" = the cache or an error.
+  features: str = "auto"
   context_len: int = 512  # W: tokens per training window (n0, the context the drafter is trained at)
   ttt_steps: int = 4  # unrolled drafting steps per window
   step_decay: float = 0.8  # weight of step j = step_decay ** j
@@ -73,12 +80,15 @@ class Eagle3TrainConfig:
 
 class Windows:
   """Windows of W tokens from the data rows (row start unless the row is longer); batch s is a pure function of
-  (seed, s), so a resumed run replays the same batches."""
+  (seed, s), so a resumed run replays the same batches. A batch names its windows by data row id (`row_ids`,
+  default the row's index) and start ("row", "start") so that their cached taps can be looked up."""
 
-  def __init__(self, rows: list[list[int]], width: int, pad_id: int, seed: int):
-    rows = [r for r in rows if len(r) >= 3]
-    if not rows:
+  def __init__(self, rows: list[list[int]], width: int, pad_id: int, seed: int, row_ids=None):
+    keep = [i for i, r in enumerate(rows) if len(r) >= 3]
+    if not keep:
       raise ValueError("no drafter data row has the 3+ tokens an EAGLE-3 training window needs")
+    self.row_ids = np.asarray(keep if row_ids is None else [row_ids[i] for i in keep])
+    rows = [rows[i] for i in keep]
     self.lens = np.asarray([len(r) for r in rows])
     self.tokens = np.full((len(rows), max(int(self.lens.max()), width)), pad_id, np.int32)
     for i, r in enumerate(rows):
@@ -95,7 +105,7 @@ class Windows:
     cols = offs[:, None] + np.arange(self.width)[None, :]
     toks = np.take_along_axis(self.tokens[picks], cols, axis=1)
     valid = np.minimum(self.lens[picks] - offs, self.width).astype(np.int32)
-    return {"tokens": toks, "valid": valid}
+    return {"tokens": toks, "valid": valid, "row": self.row_ids[picks], "start": offs}
 
 
 def _ttt_attention(q, k0, v0, diag_k, diag_v):
@@ -149,8 +159,11 @@ def ttt_forward(net: Eagle3Net, embed, tokens, taps, num_steps: int, pad_id: int
   return out
 
 
-def _head_stats(net: Eagle3Net, h, targets, weights):
-  """(summed CE, summed top-1 hits) of one step."""
+def _head_stats(net: Eagle3Net, h, targets, weights, t2d):
+  """(summed CE, summed top-1 hits) of one step; t2d [V]: target id -> draft id (-1: not in the draft vocab)."""
+  draft = t2d[targets]
+  weights = weights * (draft >= 0)
+  targets = jnp.maximum(draft, 0)
   logits = net.logits(h)
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -158,24 +171,28 @@ def _head_stats(net: Eagle3Net, h, targets, weights):
   return jnp.sum(nll * weights), jnp.sum(hit * weights)
 
 
-def ttt_stats(net: Eagle3Net, target, batch, num_steps: int, aux_layers, pad_id: int):
-  """Per-step (CE sum, hits, weight) arrays [num_steps] for a batch; the target is frozen (stop_gradient)."""
+def ttt_stats(net: Eagle3Net, frozen, batch, num_steps: int, aux_layers, pad_id: int):
+  """Per-step (CE sum, hits, weight) arrays [num_steps] for a batch. frozen: {"embed": the target's [V, H] table,
+  "t2d": [V] draft ids, and "target": the frozen target unless the batch brings cached "taps"}."""
   tokens, valid = batch["tokens"], batch["valid"]
-  taps = jax.lax.stop_gradient(target(tokens, mode="train", taps=aux_layers, return_logits=False).taps)
-  embed = jax.lax.stop_gradient(target.embed_tokens.embedding[...])
+  if "taps" in batch:
+    taps = batch["taps"]
+  else:
+    taps = frozen["target"](tokens, mode="train", taps=aux_layers, return_logits=False).taps
+  taps, embed = jax.lax.stop_gradient((taps, frozen["embed"]))
   r = tokens.shape[1] - 1
   ce, hits, wsum = [], [], []
   for j, (h, tgt) in enumerate(ttt_forward(net, embed, tokens, taps, num_steps, pad_id)):
     w = (jnp.arange(r)[None, :] + 2 + j < valid[:, None]).astype(jnp.float32)
-    c, n_hit = _head_stats(net, h, tgt, w)
+    c, n_hit = _head_stats(net, h, tgt, w, frozen["t2d"])
     ce.append(c)
     hits.append(n_hit)
     wsum.append(jnp.sum(w))
   return jnp.stack(ce), jnp.stack(hits), jnp.stack(wsum)
 
 
-def ttt_loss(net, target, batch, num_steps: int, decay: float, aux_layers, pad_id: int):
-  ce, hits, w = ttt_stats(net, target, batch, num_steps, aux_layers, pad_id)
+def ttt_loss(net, frozen, batch, num_steps: int, decay: float, aux_layers, pad_id: int):
+  ce, hits, w = ttt_stats(net, frozen, batch, num_steps, aux_layers, pad_id)
   per_step = ce / jnp.maximum(w, 1.0)
   step_w = decay ** jnp.arange(num_steps, dtype=jnp.float32)
   loss = jnp.sum(step_w * per_step) / jnp.sum(step_w)
@@ -213,25 +230,34 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
   first_dir, _, manifest = data[0]
   target_dir, target_cfg = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=first_dir),
                                           manifest)
-  train_rows, val_rows = [], []
-  for _, ds, _ in data:
-    tr, va = _split_rows(ds, cfg, target_cfg.vocab_size)
-    train_rows += tr
-    val_rows += va
+  train_rows, val_rows, train_ids, val_ids, first = [], [], [], [], 0
+  for _, ds, _ in data:  # row ids number the rows of all data dirs in order (the feature caches' numbering)
+    rows, tr, va = _split_ids(ds, cfg, target_cfg.vocab_size)
+    train_rows += [rows[i] for i in tr]
+    val_rows += [rows[i] for i in va]
+    train_ids += list(first + tr)
+    val_ids += list(first + va)
+    first += len(rows)
   pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
-  sampler = Windows(train_rows, cfg.context_len, pad_id, cfg.seed)
+  sampler = Windows(train_rows, cfg.context_len, pad_id, cfg.seed, train_ids)
   aux = tuple(cfg.aux_layers) or default_aux_layers(target_cfg.num_hidden_layers)
+  draft_ids = draft_vocab_ids(train_rows, target_cfg.vocab_size, cfg.draft_vocab_size)
 
   dtype = jnp.dtype(cfg.compute_dtype)
   target = load_model_dir(target_dir, dtype=dtype, attn_block=cfg.attn_block)
-  net = create_eagle3_net(drafter_config(target_cfg, **cfg.model), target_cfg, aux, seed=cfg.seed)
-  # Start the drafter's own LM head from the target's (tied: the embedding): its logits begin sensible.
+  cached = open_row_taps([d for d, _, _ in data], [ds for _, ds, _ in data], taps=aux,
+                         weights_id=weights_sha256(target_dir), mode=cfg.features)
+  net = create_eagle3_net(drafter_config(target_cfg, **cfg.model), target_cfg, aux, draft_vocab=len(draft_ids),
+                          seed=cfg.seed)
+  # Start the drafter's own LM head from the target's (tied: the embedding), restricted to the draft vocabulary:
+  # its logits begin sensible.
   head = target.embed_tokens.embedding[...].T if target.lm_head is None else target.lm_head.kernel[...]
-  net.lm_head.kernel[...] = jnp.asarray(head, jnp.float32)
+  net.lm_head.kernel[...] = jnp.asarray(head, jnp.float32)[:, draft_ids]
 
-  print(f"EAGLE-3 drafter: {param_count(net) / 1e6:.2f}M parameters, aux layers {aux}, {len(train_rows)} train / "
-        f"{len(val_rows)} val rows from {[d for d, _, _ in data]}, window {cfg.context_len}, "
-        f"{cfg.ttt_steps} TTT steps")
+  print(f"EAGLE-3 drafter: {param_count(net) / 1e6:.2f}M parameters, aux layers {aux}, draft vocabulary "
+        f"{len(draft_ids)}, {len(train_rows)} train / {len(val_rows)} val rows from {[d for d, _, _ in data]}, "
+        f"window {cfg.context_len}, {cfg.ttt_steps} TTT steps, target taps "
+        f"{'from the feature cache' if cached else 'computed every step (no feature cache)'}")
 
   graphdef, params = nnx.split(net)
   tgraph, tparams = nnx.split(target)
@@ -239,14 +265,16 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
                   record={**dataclasses.asdict(cfg), "data_dirs_used": [d for d, _, _ in data]})
 
   def loss_fn(p, batch):
-    # The frozen target travels in the batch (replicated), so it is an argument of the step, not a constant.
-    return ttt_loss(nnx.merge(graphdef, p), nnx.merge(tgraph, batch["target"]), batch, cfg.ttt_steps,
+    # The frozen inputs travel in the batch (replicated), so they are arguments of the step, not constants.
+    return ttt_loss(nnx.merge(graphdef, p), _frozen(tgraph, batch["frozen"]), batch, cfg.ttt_steps,
                     cfg.step_decay, aux, pad_id)
 
-  frozen = run.replicate(tparams)
+  frozen = run.replicate(frozen_inputs(target, tparams, draft_ids, with_target=cached is None))
 
   def batch_fn(step):
-    return {**run.batch(lambda rows: sampler.batch(step, cfg.batch_size, rows), cfg.batch_size), "target": frozen}
+    rows = run.batch(lambda r: with_taps(sampler.batch(step, cfg.batch_size, r), cached, aux, dtype),
+                     cfg.batch_size)
+    return {**rows, "frozen": frozen}
 
   t0 = time.time()
   if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
@@ -255,23 +283,50 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
   trained = nnx.merge(graphdef, run.local_params())
   if not is_main_process():  # process 0 exports
     return run.out / "final"
-  return export_eagle3(trained, target, cfg, aux, target_dir, data, val_rows, pad_id, time.time() - t0)
+  return export_eagle3(trained, target, cfg, aux, target_dir, data, (val_rows, val_ids), pad_id, draft_ids,
+                       cached, time.time() - t0)
 
 
-def validation_metrics(net, target, cfg: Eagle3TrainConfig, aux, rows, pad_id: int) -> dict:
+def draft_vocab_ids(rows, vocab_size: int, size: int) -> np.ndarray:
+  """The `size` target ids most frequent in `rows`, ascending (all ids when size is 0 or >= vocab_size)."""
+  if size <= 0 or size >= vocab_size:
+    return np.arange(vocab_size)
+  counts = np.bincount(np.concatenate([np.asarray(r, np.int64) for r in rows]), minlength=vocab_size)
+  return np.sort(np.argsort(-counts, kind="stable")[:size])
+
+
+def frozen_inputs(target, tparams, draft_ids, *, with_target: bool) -> dict:
+  """What a TTT step reads but does not train: the target's embedding, the target -> draft id map and, when the
+  taps are not cached, the target's parameters."""
+  v = target.cfg.vocab_size
+  t2d = np.full((v,), -1, np.int32)
+  t2d[draft_ids] = np.arange(len(draft_ids), dtype=np.int32)
+  out = {"embed": target.embed_tokens.embedding[...], "t2d": t2d}
+  if with_target:
+    out["target"] = tparams
+  return out
+
+
+def _frozen(tgraph, frozen: dict) -> dict:
+  return {**frozen, "target": nnx.merge(tgraph, frozen["target"])} if "target" in frozen else frozen
+
+
+def validation_metrics(net, target, cfg: Eagle3TrainConfig, aux, rows, pad_id: int, draft_ids, cached) -> dict:
   """CE and top-1 accuracy per TTT step on held-out rows (step j: the (j+1)-th draft of a chain whose earlier
-  drafts were right), a proxy for per-position acceptance on the target's own text."""
+  drafts were right), a proxy for per-position acceptance on the target's own text. rows: (rows, row ids)."""
+  rows, ids = rows
   if not rows:
     return {}
-  sampler = Windows(rows, cfg.context_len, pad_id, cfg.seed + 1)
+  sampler = Windows(rows, cfg.context_len, pad_id, cfg.seed + 1, ids)
   bs = min(cfg.batch_size, cfg.val_windows)
   graphdef, params = nnx.split(net)
   tgraph, tparams = nnx.split(target)
-  stats = jax.jit(lambda p, tp, b: ttt_stats(nnx.merge(graphdef, p), nnx.merge(tgraph, tp), b, cfg.ttt_steps,
-                                             aux, pad_id))
+  frozen = frozen_inputs(target, tparams, draft_ids, with_target=cached is None)
+  stats = jax.jit(lambda p, f, b: ttt_stats(nnx.merge(graphdef, p), _frozen(tgraph, f), b, cfg.ttt_steps, aux,
+                                            pad_id))
   acc = None
   for i in range(-(-cfg.val_windows // bs)):
-    part = stats(params, tparams, sampler.batch(i, bs))
+    part = stats(params, frozen, with_taps(sampler.batch(i, bs), cached, aux, target.dtype))
     acc = part if acc is None else tuple(x + y for x, y in zip(acc, part))
   ce, hits, w = (np.asarray(x, np.float64) for x in acc)
   return {"val_ce_per_step": [round(float(x), 4) for x in ce / np.maximum(w, 1)],
@@ -279,12 +334,13 @@ def validation_metrics(net, target, cfg: Eagle3TrainConfig, aux, rows, pad_id: i
 
 
 def export_eagle3(net, target, cfg: Eagle3TrainConfig, aux, target_dir: Path, data, val_rows, pad_id: int,
-                  train_s: float) -> Path:
+                  draft_ids, cached, train_s: float) -> Path:
   """Public-layout directory (bf16) plus drafter.json describing how it was trained."""
   out = Path(cfg.out_dir)
   log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
   last = log[-1] if log else {}
-  final = save_eagle3(net, out / "final", aux, target.cfg, n0=cfg.context_len)
+  final = save_eagle3(net, out / "final", aux, target.cfg, n0=cfg.context_len,
+                      d2t=np.asarray(draft_ids) - np.arange(len(draft_ids)))
   info = {
       "kind": "eagle3",
       "target": target_name(target_dir),
@@ -304,7 +360,9 @@ def export_eagle3(net, target, cfg: Eagle3TrainConfig, aux, target_dir: Path, da
       "final_train_acc_per_step": [last.get(f"acc_{j}") for j in range(cfg.ttt_steps)],
       "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
       "parameters": param_count(net),
-      **validation_metrics(net, target, cfg, aux, val_rows, pad_id),
+      "draft_vocab_size": len(draft_ids),
+      "target_taps_from": "feature cache" if cached else "target forward per step",
+      **validation_metrics(net, target, cfg, aux, val_rows, pad_id, draft_ids, cached),
   }
   (final / "drafter.json").write_text(json.dumps(info, indent=2))
   return final

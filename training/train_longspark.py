@@ -1,8 +1,8 @@
 """`longspec train-drafter --drafter longspark`: the LongSpark drafter on the target's own long generations.
 
 The frozen target forward over a 2-4K window is by far the most expensive part on a CPU and never changes, so it
-runs once per window (`build_feature_cache`): the selected layers' K/V for every row and their outputs (the boundary
-taps) for the continuation rows are written to a float16 memmap cache, and training reads batches from it.
+runs once per window: the selected layers' K/V and their outputs (the boundary taps) for every row go to the data
+dir's offline feature cache (longspec_jax.training.feature_cache, float16 memmaps), and training reads from it.
 
 Per window, A anchors a are drawn in the target's continuation (from the last prompt token on): the block is
 [x_a, MASK x (B_s-1)] at positions a..a+B_s-1 and slot j predicts x_{a+1+j} (weight exp(-j/gamma)). Each anchor
@@ -40,17 +40,15 @@ from longspec_jax.model import param_count
 from longspec_jax.rope import apply_rope, rope_frequencies
 from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_views
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
 from longspec_jax.training.losses import cross_entropy
 from longspec_jax.training.train_drafter import _target_config
 from longspec_jax.training.trainer import OptimConfig, start_run
-
-CACHE_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class LongSparkTrainConfig:
   data_dirs: tuple[str, ...] = ("runs/drafter_data_long",)
-  cache_dir: str = "runs/longspark_cache"  # frozen-target features, one memmap set per data dir
   target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
   out_dir: str = "runs/drafter_longspark"
   num_layers: int = 5  # = target layers read, evenly spaced as in DFlash
@@ -181,74 +179,24 @@ def longspark_loss(model, batch):
 
 # ---------------------------------------------------------------- the frozen-target feature cache
 
-class FeatureCache:
-  """Per data dir: kv.f16 [rows, L, 2, Hkv, D] (every row of every window), taps.f16 [rows, L, H] (rows from
-  tail_start = prompt_len - 2 on), tokens, and an index. Built once (resumable: windows are appended in order and
-  the index records how many are complete)."""
+class LongSparkRows:
+  """One data dir's windows as LongSpark training reads them from the offline feature cache (`<data_dir>/features`,
+  see longspec_jax.training.feature_cache): the selected layers' K/V for every row and their outputs (the boundary
+  taps). The tail of a window starts at tail_start = prompt_len - 2."""
 
-  def __init__(self, cache_dir: Path, rows, target, layer_ids, weights_id: str):
-    self.dir = Path(cache_dir)
-    self.rows = rows  # [(tokens, prompt_len)]
-    a = target.cfg
-    self.n, self.hkv, self.d, self.h = len(layer_ids), a.num_key_value_heads, a.head_dim, a.hidden_size
+  def __init__(self, cache: FeatureCache, rows, layer_ids):
+    self.cache, self.rows, self.layer_ids = cache, rows, tuple(layer_ids)  # rows: [(tokens, prompt_len)]
+    self.taps = tuple(i + 1 for i in self.layer_ids)  # tap i = the output of layer i - 1
     self.lens = np.asarray([len(r) for r, _ in rows])
     self.tail_start = np.asarray([max(p - 2, 0) for _, p in rows])
-    self.kv_off = np.concatenate([[0], np.cumsum(self.lens)])
-    self.tap_off = np.concatenate([[0], np.cumsum(self.lens - self.tail_start)])
-    meta = {"version": CACHE_VERSION, "layer_ids": list(layer_ids), "lens": self.lens.tolist(),
-            "prompt_lens": [p for _, p in rows], "weights": weights_id}
-    self._build(target, layer_ids, meta)
-    self.kv = np.memmap(self.dir / "kv.f16", np.float16, "r", shape=(int(self.kv_off[-1]), self.n, 2, self.hkv,
-                                                                      self.d))
-    self.taps = np.memmap(self.dir / "taps.f16", np.float16, "r", shape=(int(self.tap_off[-1]), self.n, self.h))
-
-  def _build(self, target, layer_ids, meta):
-    self.dir.mkdir(parents=True, exist_ok=True)
-    index = self.dir / "index.json"
-    done = 0
-    if index.exists():
-      old = json.loads(index.read_text())
-      if old["meta"] != meta:
-        raise ValueError(f"feature cache {self.dir} was built for other data, layers or target weights; delete it")
-      done = old["done"]
-    if done == len(self.rows):
-      return
-    from tqdm.auto import tqdm
-    mode = "r+" if done else "w+"
-    kv = np.memmap(self.dir / "kv.f16", np.float16, mode, shape=(int(self.kv_off[-1]), self.n, 2, self.hkv, self.d))
-    taps = np.memmap(self.dir / "taps.f16", np.float16, mode, shape=(int(self.tap_off[-1]), self.n, self.h))
-    graphdef, params = nnx.split(target)
-    ids = jnp.asarray(layer_ids)
-    tap_idx = tuple(i + 1 for i in layer_ids)
-
-    @jax.jit
-    def forward(p, tokens):
-      out = nnx.merge(graphdef, p)(tokens, mode="train", taps=tap_idx, return_kv=True, return_logits=False)
-      k, v = out.new_kv
-      return jnp.stack([k[ids][:, 0], v[ids][:, 0]], 1).transpose(2, 0, 1, 3, 4), out.taps[0]  # [T, L, 2, Hkv, D]
-
-    for i in tqdm(range(done, len(self.rows)), desc="longspark feature cache", initial=done, total=len(self.rows)):
-      toks, _ = self.rows[i]
-      t = len(toks)
-      bucket = -(-t // 256) * 256  # causal: padding after the window changes no row of it
-      kvw, tapw = forward(params, jnp.asarray([list(toks) + [0] * (bucket - t)], jnp.int32))
-      kv[self.kv_off[i]:self.kv_off[i + 1]] = np.asarray(kvw[:t], np.float16)
-      taps[self.tap_off[i]:self.tap_off[i + 1]] = np.asarray(tapw[self.tail_start[i]:t], np.float16)
-      if (i + 1) % 8 == 0 or i + 1 == len(self.rows):
-        kv.flush()
-        taps.flush()
-        index.write_text(json.dumps({"meta": meta, "done": i + 1}))
 
   def window_kv(self, i, lo, hi):
     """K/V rows [lo, hi) of window i as [L, rows, Hkv, D] each (rows outside the window are zero)."""
-    out = np.zeros((hi - lo, self.n, 2, self.hkv, self.d), np.float32)
-    a, b = max(lo, 0), min(hi, int(self.lens[i]))
-    if b > a:
-      out[a - lo:b - lo] = self.kv[self.kv_off[i] + a:self.kv_off[i] + b]
-    return out[:, :, 0].transpose(1, 0, 2, 3), out[:, :, 1].transpose(1, 0, 2, 3)
+    k, v = self.cache.window_kv(i, lo, hi - lo, self.layer_ids)
+    return k.astype(np.float32), v.astype(np.float32)
 
   def boundary(self, i, rows):
-    return np.asarray(self.taps[self.tap_off[i] + rows - self.tail_start[i]], np.float32)
+    return self.cache.taps_at(i, rows, self.taps).astype(np.float32)
 
 
 class AnchorSampler:
@@ -257,7 +205,7 @@ class AnchorSampler:
   A window's prefix is rows [0, tail_start); its slab is rows [tail_start - W, end), so the slab's first W rows
   are prefix rows (Raw only) and the rest are the tail the anchors live in."""
 
-  def __init__(self, cache: FeatureCache, windows, cfg: LongSparkTrainConfig, seed: int):
+  def __init__(self, cache: LongSparkRows, windows, cfg: LongSparkTrainConfig, seed: int):
     self.c, self.windows, self.cfg, self.seed = cache, np.asarray(windows), cfg, seed
     w = cfg.raw_window
     self.cp = int(-(-max(cache.tail_start[windows].max(), 1) // 128) * 128)
@@ -310,7 +258,7 @@ def _load_rows(data_dir, cfg):
   rows = [(list(p) + list(c), len(p)) for p, c in zip(ds["prompt"], ds["continuation"])]
   i = cfg.data_dirs.index(data_dir)
   limit = cfg.max_windows[i] if i < len(cfg.max_windows) else 0
-  return rows[:limit or None], manifest, target_dir, t
+  return rows[:limit or None], manifest, target_dir, t, len(rows)
 
 
 def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
@@ -324,8 +272,14 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
                               num_global_slots=cfg.num_global_slots, raw_window=cfg.raw_window,
                               block_size=cfg.block_size)
   weights_id = weights_sha256(target_dir)
-  caches = [FeatureCache(Path(cfg.cache_dir) / Path(d).name, rows, target, dcfg.target_layer_ids, weights_id)
-            for d, (rows, *_) in zip(cfg.data_dirs, loaded)]
+  caches = []
+  for d, (rows, _, _, _, num_rows) in zip(cfg.data_dirs, loaded):
+    # Built once (resumable) for the rows used; a cache that make-drafter-data built with these layers is reused.
+    layers = dcfg.target_layer_ids
+    build_feature_cache(d, target, [i + 1 for i in layers], layers, weights_id=weights_id, num_rows=len(rows))
+    cache = FeatureCache.open(d, taps=[i + 1 for i in layers], kv_layers=layers, weights_id=weights_id,
+                              num_rows=num_rows, use_rows=len(rows))
+    caches.append(LongSparkRows(cache, rows, layers))
   order = np.random.default_rng([cfg.seed, 7]).permutation(len(caches[0].rows))
   n_val = min(cfg.val_windows, len(order) - 1)
   val = order[:n_val]

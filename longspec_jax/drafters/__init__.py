@@ -4,6 +4,7 @@ Later methods register themselves here; `longspec bench --method NAME` and `gene
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -15,8 +16,31 @@ if TYPE_CHECKING:  # importing the registry must not import jax: the CLI parser 
 SHIPPED_DRAFTERS_DIR = ASSETS_DIR / "drafters"
 
 
-def _shipped(name: str, drafter_dir) -> Path:
-  path = Path(drafter_dir) if drafter_dir else SHIPPED_DRAFTERS_DIR / name
+def _vocab_size(target) -> int | None:
+  """A target model's, or a target config's, vocabulary size (None: no target given)."""
+  if target is None:
+    return None
+  return target.cfg.vocab_size if hasattr(target, "cfg") else target.vocab_size
+
+
+def _shipped(name: str, drafter_dir, target=None) -> Path:
+  """`drafter_dir`, else the shipped checkpoint of `name` for this target: `assets/drafters/<name>` is for the
+  shipped 8.4M target and `<name>-<target name>` (e.g. dflash-smollm2-135m) for a named one; the one whose
+  config.json has the target's vocabulary is chosen."""
+  if drafter_dir:
+    path = Path(drafter_dir)
+  else:
+    path = SHIPPED_DRAFTERS_DIR / name
+    vocab = _vocab_size(target)
+    if vocab is not None:
+      fits = [d for d in sorted(SHIPPED_DRAFTERS_DIR.glob(f"{name}*"))
+              if d.name in (name,) or d.name.startswith(name + "-")
+              if (d / "config.json").exists() and json.loads((d / "config.json").read_text()).get("vocab_size")
+              == vocab]
+      if not fits:
+        raise FileNotFoundError(f"no shipped {name} drafter for this target (vocabulary {vocab}); train one with "
+                                "`longspec train-drafter` and pass --drafter DIR")
+      path = fits[0]
   if not (path / "config.json").exists():
     raise FileNotFoundError(f"no {name} drafter at {path} (train one with `longspec train-drafter` or pass "
                             "--drafter DIR)")
@@ -32,33 +56,33 @@ def _prompt_lookup(target, drafter_dir, sharpdraft):
 def _standalone(mode):
   def build(target, drafter_dir, sharpdraft):
     from longspec_jax.drafters.standalone import load_standalone
-    return load_standalone(_shipped("pard", drafter_dir), mode, sharpdraft=sharpdraft)
+    return load_standalone(_shipped("pard", drafter_dir, target), mode, sharpdraft=sharpdraft)
   return build
 
 
 def _dflash(target, drafter_dir, sharpdraft):
   from longspec_jax.drafters.dflash import load_dflash
-  return load_dflash(_shipped("dflash", drafter_dir), target, sharpdraft=sharpdraft)
+  return load_dflash(_shipped("dflash", drafter_dir, target), target, sharpdraft=sharpdraft)
 
 
 def _eagle3(target, drafter_dir, sharpdraft):
   from longspec_jax.drafters.eagle3 import load_eagle3
-  return load_eagle3(_shipped("eagle3", drafter_dir), target, sharpdraft=sharpdraft)
+  return load_eagle3(_shipped("eagle3", drafter_dir, target), target, sharpdraft=sharpdraft)
 
 
 def _dels(target, drafter_dir, sharpdraft):
   from longspec_jax.drafters.dels import load_dels
-  return load_dels(_shipped("dels", drafter_dir), target)
+  return load_dels(_shipped("dels", drafter_dir, target), target)
 
 
 def _longspark(target, drafter_dir, sharpdraft):
   from longspec_jax.drafters.longspark import load_longspark
-  return load_longspark(_shipped("longspark", drafter_dir), target)
+  return load_longspark(_shipped("longspark", drafter_dir, target), target)
 
 
 def _budget(target, drafter_dir, sharpdraft, budget: int = 256):
   from longspec_jax.drafters.budget import load_budget
-  return load_budget(_shipped("budgetdraft", drafter_dir), budget)
+  return load_budget(_shipped("budgetdraft", drafter_dir, target), budget)
 
 
 BUILDERS: dict[str, Callable] = {
@@ -81,9 +105,10 @@ def method_names() -> list[str]:
   return ["ar"] + sorted(BUILDERS)
 
 
-def drafter_path(name: str, drafter_dir=None) -> Path:
-  """The checkpoint directory a method's drafter loads from (`drafter_dir` or the shipped one)."""
-  return _shipped(ATTENTION_DRAFTERS.get(name, name), drafter_dir)
+def drafter_path(name: str, drafter_dir=None, target=None) -> Path:
+  """The checkpoint directory a method's drafter loads from (`drafter_dir` or the one shipped for `target`, a
+  model or its config; None = the shipped 8.4M target)."""
+  return _shipped(ATTENTION_DRAFTERS.get(name, name), drafter_dir, target)
 
 
 # Methods that read a sparse drafter KV cache under a fixed budget (`--budget N`).
@@ -109,5 +134,5 @@ def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
     raise ValueError(f"--budget applies to {', '.join(BUDGET_DRAFTERS)}, not to method {name!r}")
   if name == "ar":
     return None
-  sd = load_sharpdraft(drafter_path(name, drafter_dir), sharpdraft, name) if sharpdraft != "off" else None
+  sd = load_sharpdraft(drafter_path(name, drafter_dir, target), sharpdraft, name) if sharpdraft != "off" else None
   return BUILDERS[name](target, drafter_dir, sd, **({"budget": budget} if budget is not None else {}))

@@ -120,13 +120,15 @@ class DFlashConfig:
 
 
 def dflash_config_for(target: ModelConfig, *, num_layers: int = 2, num_target_taps: int = 5,
-                      block_size: int = 16, **arch_overrides) -> DFlashConfig:
-  """A DFlash config sized for `target`: its hidden size, vocabulary, RoPE and special ids."""
-  if target.mask_token_id is None:
-    raise ValueError("the target config has no mask_token_id; DFlash needs a reserved mask token")
+                      block_size: int = 16, mask_token_id: int | None = None, **arch_overrides) -> DFlashConfig:
+  """A DFlash config sized for `target`: its hidden size, vocabulary, RoPE and special ids. mask_token_id: the
+  block's mask token (default the target's; a target without one, e.g. SmolLM2, needs an id it never emits)."""
+  mask_token_id = target.mask_token_id if mask_token_id is None else mask_token_id
+  if mask_token_id is None:
+    raise ValueError("the target config has no mask_token_id; DFlash needs a reserved mask token (pass one)")
   arch = target.replace(num_hidden_layers=num_layers, family="qwen3", tie_word_embeddings=True,
                         attention_bias=False, mlp_bias=False, **arch_overrides)
-  return DFlashConfig(arch=arch, block_size=block_size, mask_token_id=target.mask_token_id,
+  return DFlashConfig(arch=arch, block_size=block_size, mask_token_id=mask_token_id,
                       target_layer_ids=default_target_layer_ids(target.num_hidden_layers, num_target_taps),
                       num_target_layers=target.num_hidden_layers)
 
