@@ -161,3 +161,35 @@ def test_dflash_and_eagle3_train_from_the_cache(env, tmp_path):  # noqa: F811
   assert t["lm_head.weight"].shape == (64, 32) and t["t2d"].sum() == 64
   assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=load_eagle3(final, target),
                   num_draft_tokens=3).tokens == ar
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens():
+  from longspec_jax.training.train_eagle3 import draft_vocab_ids, frozen_inputs
+  rows = [[5, 5, 5, 2, 2, 9], [9, 9, 9, 9, 1]]
+  assert draft_vocab_ids(rows, 12, 2).tolist() == [5, 9]  # ascending ids, so d2t offsets are non-negative
+  assert draft_vocab_ids(rows, 12, 0).tolist() == list(range(12))
+  target = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=12),
+                                 embed_tokens=types.SimpleNamespace(embedding=np.zeros((12, 4))))
+  t2d = frozen_inputs(target, None, np.asarray([5, 9]), with_target=False)["t2d"]
+  assert t2d[5] == 0 and t2d[9] == 1 and (np.delete(t2d, [5, 9]) == -1).all()
+
+
+def test_dflash_tap_scale_folds_into_fc(env):  # noqa: F811
+  """normalize_taps trains on taps * scale; folding the scale into fc gives the same logits from raw taps, so the
+  exported drafter (public layout) reads the target's taps unchanged."""
+  from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, target_io
+  from longspec_jax.training.train_dflash import dflash_train_logits, fold_tap_scale
+  tmp, _ = env
+  target = _target(tmp)
+  dcfg = dflash_config_for(target.cfg, num_layers=1, num_target_taps=2, block_size=4)
+  model = create_dflash(dcfg, seed=1)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(3, 300, (2, 24)), jnp.int32)
+  taps = target(tokens, mode="train", taps=dcfg.taps, return_logits=False).taps
+  scale = jnp.asarray(rng.uniform(0.01, 3.0, taps.shape[2:]), jnp.float32)
+  anchors = jnp.asarray([[3, 9], [5, 17]], jnp.int32)
+  io = target_io(target)
+  scaled = dflash_train_logits(model, io, taps, tokens, anchors, scale)
+  fold_tap_scale(model, np.asarray(scale))
+  np.testing.assert_allclose(np.asarray(dflash_train_logits(model, io, taps, tokens, anchors)), np.asarray(scaled),
+                             rtol=1e-4, atol=1e-4)

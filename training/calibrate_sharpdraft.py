@@ -97,22 +97,22 @@ def drafter_scores(loaded, target, windows: np.ndarray, batch: int) -> list[np.n
 def run_calibration(drafter: str, drafter_dir=None, model_dir=None, corpus_dir="data/corpus",
                     granularity: str = "head", alpha_rule: str = "tangent", fit_max_keys: int = 16384,
                     num_windows: int = 256, batch: int = 8, seed: int = 0, n0: int | None = None, out=None) -> Path:
-  from longspec_jax import default_target_dir
   from longspec_jax.drafters import load_drafter, drafter_path
   from longspec_jax.hf_io import load_model_dir, weights_sha256
   from longspec_jax.sharpdraft import calibrate
+  from longspec_jax.targets import resolve_target_dir
   from longspec_jax.tokenizer import load_tokenizer
 
   if drafter not in DRAFTERS:
     raise ValueError(f"--drafter must be one of {DRAFTERS}, got {drafter!r}")
-  path = drafter_path(drafter, drafter_dir)
+  target_dir = resolve_target_dir(model_dir)
+  target = load_model_dir(target_dir)
+  path = drafter_path(drafter, drafter_dir, target)  # default: the drafter shipped for this target
   meta_path = path / "drafter.json"
   meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
   n0 = n0 or meta.get("n0")
   if not n0:
     raise ValueError(f"{meta_path} gives no n0 (the drafter's training length); pass --n0")
-  target_dir = Path(model_dir) if model_dir else default_target_dir()
-  target = load_model_dir(target_dir)
   tok = load_tokenizer(target_dir)
   loaded = load_drafter(drafter, target, drafter_dir)
   windows, source = calibration_windows(tok, n0, num_windows, target.cfg.bos_token_id, corpus_dir, meta, seed)
@@ -165,8 +165,8 @@ def add_subcommand(subparsers) -> None:
   c = subparsers.add_parser("calibrate-sharpdraft",
                             help="measure a drafter's attention-score statistics at n0 and write sharpdraft.json")
   c.add_argument("--drafter", required=True, choices=DRAFTERS)
-  c.add_argument("--drafter-dir", help="drafter checkpoint (default: the shipped one)")
-  c.add_argument("--model", help="target model dir (default: the shipped target)")
+  c.add_argument("--drafter-dir", help="drafter checkpoint (default: the one shipped for the target)")
+  c.add_argument("--model", help="target: a name (smollm2-135m), a model dir, or the shipped target (default)")
   c.add_argument("--corpus", default="data/corpus", help="corpus whose train split gives the text")
   c.add_argument("--granularity", choices=GRANULARITIES, default="head",
                  help="share one set of statistics per drafter, per layer, or keep one per head")

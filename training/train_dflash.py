@@ -45,6 +45,10 @@ class DFlashTrainConfig:
   # Frozen-target taps: "auto" = each data dir's feature cache when present, "recompute" = run the target every
   # step, "require" = the cache or an error.
   features: str = "auto"
+  # Divide each tap dimension by its typical magnitude (median |x| over training windows) before fc, and fold that
+  # fixed scale into fc at export (same function, public layout). A preconditioning for targets with massive
+  # activations (SmolLM2: a few dimensions ~100x the rest), which otherwise swamp fc's output at the start.
+  normalize_taps: bool = False
   num_target_taps: int = 5  # target layers read, evenly spaced from 1 to L-3
   block_size: int = 16
   context_len: int = 512  # n0: the longest window trained on (the data rows are at most this long)
@@ -120,11 +124,13 @@ class BlockSampler:
             "row": self.row_ids[picks], "start": offs}
 
 
-def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors):
+def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors, tap_scale=None):
   """Logits [B, A, B_s-1, V] of every anchor's block in one pass: queries of anchor a see context rows < a and
-  their own block (bidirectional)."""
+  their own block (bidirectional). tap_scale [n, H]: multiplies the taps (see normalize_taps)."""
   cfg = model.cfg
   b, c = tokens.shape
+  if tap_scale is not None:
+    taps = taps * tap_scale.astype(taps.dtype)
   a, bs = anchors.shape[1], cfg.block_size
   ck, cv = model.context_kv(model.context(taps), jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)))
   anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
@@ -145,7 +151,8 @@ def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors):
 
 
 def dflash_loss(model, batch):
-  logits = dflash_train_logits(model, batch["io"], batch["taps"], batch["tokens"], batch["anchors"])
+  logits = dflash_train_logits(model, batch["io"], batch["taps"], batch["tokens"], batch["anchors"],
+                               batch.get("tap_scale"))
   loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
   hit = (jnp.argmax(logits, -1) == batch["labels"]) & (batch["label_w"] > 0)
   return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(batch["label_w"][..., 0] > 0), 1)}
@@ -211,12 +218,20 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   io = run.replicate(target_io(target))
   tap_fn = make_tap_fn(target, dcfg.taps, place=run.replicate)
 
+  def target_taps(batch):
+    if cached is None:
+      batch["taps"] = tap_fn(batch["tokens"])  # each process runs the target on its own rows
+    return batch
+
+  scale = None
+  if cfg.normalize_taps:
+    scale = tap_scale(sampler, lambda b: target_taps(with_taps(b, cached, dcfg.taps, model.dtype)), cfg.batch_size)
+  extra = {"io": io} if scale is None else {"io": io, "tap_scale": run.replicate(scale)}
+
   def batch_fn(step):
     batch = run.batch(lambda rows: with_taps(sampler.batch(step, cfg.batch_size, rows), cached, dcfg.taps,
                                              model.dtype), cfg.batch_size)
-    if cached is None:
-      batch["taps"] = tap_fn(batch["tokens"])  # each process runs the target on its own rows
-    return dict(batch, io=io)
+    return dict(target_taps(batch), **extra)
 
   def loss_fn(p, batch):
     return dflash_loss(nnx.merge(graphdef, p), batch)
@@ -228,7 +243,27 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   trained = nnx.merge(graphdef, run.local_params())
   if not is_main_process():  # process 0 exports
     return run.out / "final"
+  if scale is not None:
+    fold_tap_scale(trained, scale)
   return export_dflash(trained, cfg, target, target_dir, manifests, val_rows, pad_id, time.time() - t0, cached)
+
+
+def tap_scale(sampler: BlockSampler, window_taps, batch_size: int, num_batches: int = 8) -> np.ndarray:
+  """[n, H] float32: 1 / median |tap| per (tap, dimension) over the first training batches' real rows (the
+  median ignores the few huge attention-sink rows)."""
+  taps = []
+  for i in range(num_batches):
+    batch = window_taps(sampler.batch(10**12 + i, batch_size))  # a step no training run reaches
+    real = np.asarray(batch["tokens"]) != sampler.pad_id
+    taps.append(np.abs(np.asarray(batch["taps"], np.float32)[real]))
+  med = np.median(np.concatenate(taps), axis=0)
+  return (1.0 / np.maximum(med, 1e-3)).astype(np.float32)
+
+
+def fold_tap_scale(model: DFlashModel, scale: np.ndarray) -> None:
+  """fc(taps * scale) == fc'(taps) with fc' = fc with its input rows scaled: the exported drafter reads raw taps."""
+  kernel = model.fc.kernel[...]
+  model.fc.kernel[...] = (kernel.astype(jnp.float32) * jnp.asarray(scale).reshape(-1, 1)).astype(kernel.dtype)
 
 
 def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows, pad_id: int, cached=None) -> dict:
@@ -288,6 +323,7 @@ def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target, target_dir
       "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
       "parameters": param_count(model),
       "target_taps_from": "feature cache" if cached else "target forward per step",
+      "normalize_taps": cfg.normalize_taps,  # trained on taps / median|tap|, the scale folded into fc
       **validation_metrics(model, target, cfg, val_rows, pad_id, cached),
   }
   (final / "drafter.json").write_text(json.dumps(info, indent=2))

@@ -23,6 +23,14 @@ def _vocab_size(target) -> int | None:
   return target.cfg.vocab_size if hasattr(target, "cfg") else target.vocab_size
 
 
+def _config_vocab(drafter_dir: Path) -> int | None:
+  """The vocabulary a checkpoint was made for: config.json's vocab_size (DeLS: model_config.vocab_size)."""
+  if not (drafter_dir / "config.json").exists():
+    return None
+  cfg = json.loads((drafter_dir / "config.json").read_text())
+  return cfg.get("vocab_size") or (cfg.get("model_config") or {}).get("vocab_size")
+
+
 def _shipped(name: str, drafter_dir, target=None) -> Path:
   """`drafter_dir`, else the shipped checkpoint of `name` for this target: `assets/drafters/<name>` is for the
   shipped 8.4M target and `<name>-<target name>` (e.g. dflash-smollm2-135m) for a named one; the one whose
@@ -34,9 +42,7 @@ def _shipped(name: str, drafter_dir, target=None) -> Path:
     vocab = _vocab_size(target)
     if vocab is not None:
       fits = [d for d in sorted(SHIPPED_DRAFTERS_DIR.glob(f"{name}*"))
-              if d.name in (name,) or d.name.startswith(name + "-")
-              if (d / "config.json").exists() and json.loads((d / "config.json").read_text()).get("vocab_size")
-              == vocab]
+              if (d.name == name or d.name.startswith(name + "-")) and _config_vocab(d) == vocab]
       if not fits:
         raise FileNotFoundError(f"no shipped {name} drafter for this target (vocabulary {vocab}); train one with "
                                 "`longspec train-drafter` and pass --drafter DIR")
