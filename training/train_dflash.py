@@ -216,7 +216,7 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   graphdef, params = nnx.split(model)
   run = start_run(cfg, params, resume=resume)
   io = run.replicate(target_io(target))
-  tap_fn = make_tap_fn(target, dcfg.taps, place=run.replicate)
+  tap_fn = None if cached else make_tap_fn(target, dcfg.taps, place=run.replicate)  # no target copy with a cache
 
   def target_taps(batch):
     if cached is None:

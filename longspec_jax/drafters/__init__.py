@@ -41,7 +41,7 @@ def _shipped(name: str, drafter_dir, target=None) -> Path:
     path = SHIPPED_DRAFTERS_DIR / name
     vocab = _vocab_size(target)
     if vocab is not None:
-      fits = [d for d in sorted(SHIPPED_DRAFTERS_DIR.glob(f"{name}*"))
+      fits = [d for d in sorted(SHIPPED_DRAFTERS_DIR.iterdir())
               if (d.name == name or d.name.startswith(name + "-")) and _config_vocab(d) == vocab]
       if not fits:
         raise FileNotFoundError(f"no shipped {name} drafter for this target (vocabulary {vocab}); train one with "
