@@ -63,6 +63,7 @@ class SuiteConfig:
   seed: int = 0  # sampling seed of prompt i is seed + i
   bootstrap: int = 10000  # bootstrap resamples for the confidence intervals
   ci: float = 0.95
+  reference_context: int = 0  # tau at every context is compared with tau here (paired); 0 = the shortest context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,9 @@ def validate(cfg: SuiteConfig) -> list[MethodSpec]:
     v = getattr(cfg, key)
     _check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{key} must be an integer >= {lo}, got {v!r}")
   _check(isinstance(cfg.ci, float) and 0 < cfg.ci < 1, f"ci must be in (0, 1), got {cfg.ci!r}")
+  _check(cfg.reference_context == 0 or cfg.reference_context in cfg.contexts,
+         f"reference_context {cfg.reference_context!r} is not one of the contexts {list(cfg.contexts)} (0 = the "
+         "shortest)")
   _check(cfg.min_docs <= cfg.num_prompts, f"min_docs ({cfg.min_docs}) > num_prompts ({cfg.num_prompts})")
   _check(max(cfg.contexts) <= cfg.cut_min_tokens,
          f"the longest context ({max(cfg.contexts)}) exceeds cut_min_tokens ({cfg.cut_min_tokens}): every cut "
@@ -331,6 +335,10 @@ def _draft(drafter, dparams, dstate, ctx, key, *, num_draft: int, sample: bool):
   return drafter.propose(dparams, dstate, ctx, key, num_draft, sample)[0]
 
 
+def _diagnostics(drafter, dparams, dstate, ctx):
+  return drafter.diagnostics(dparams, dstate, ctx)
+
+
 def _verify(graphdef, params, cache, block, *, taps: tuple, return_kv: bool):
   m = nnx.merge(graphdef, params)
   return m(block, cache=cache, mode="extend", taps=taps, return_kv=return_kv).logits
@@ -340,6 +348,7 @@ def _verify(graphdef, params, cache, block, *, taps: tuple, return_kv: bool):
 prefill_program = jax.jit(_prefill, static_argnames=("graphdef", "max_len", "taps", "return_kv"),
                           compiler_options=COMPILER_OPTIONS)
 draft_program = jax.jit(_draft, static_argnames=("drafter", "num_draft", "sample"), compiler_options=COMPILER_OPTIONS)
+diagnostics_program = jax.jit(_diagnostics, static_argnames=("drafter",))
 verify_program = jax.jit(_verify, static_argnames=("graphdef", "taps", "return_kv"), compiler_options=COMPILER_OPTIONS)
 ar_start_program = jax.jit(ar_start_state, static_argnames=("max_len",))
 spec_start_program = jax.jit(spec_start_state, static_argnames=("drafter", "max_len", "num_draft"),
@@ -439,10 +448,13 @@ def _measure_spec(timer: _Timer, graphdef, params, pre: _Prefilled, drafter, m: 
   _, verify_s = timer.timed(("verify", ctx, k, spec.taps, spec.needs_target_kv), lambda: verify_program(
       graphdef, params, start.target_cache, block, taps=spec.taps, return_kv=spec.needs_target_kv), cfg.repeats)
   stats = spec_stats(state.accept_hist, state.active_steps, state.num_new, state.step)
+  diagnostics = ({k: np.round(np.asarray(v, np.float64), 5).tolist() for k, v in
+                  diagnostics_program(spec, dparams, start.drafter_state, ctx_now).items()}
+                 if hasattr(spec, "diagnostics") else {})
   return dict(new_tokens=int(state.num_new[0]), decode_s=decode_s, target_forwards=stats["target_forwards"],
               tau=stats["tau"], accept_hist=stats["accept_hist"], draft_ms_per_step=1000 * draft_s,
               verify_ms_per_step=1000 * verify_s, drafter_state_bytes=state_nbytes(start.drafter_state),
-              tokens=_generated(state, n))
+              diagnostics=diagnostics, tokens=_generated(state, n))
 
 
 def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = True) -> dict:
@@ -591,19 +603,26 @@ def _cell_summary(recs: list[dict], cfg: SuiteConfig) -> dict:
       "exact_match_ar": None if exact[0] is None else all(exact),
       "exact_match_ar_count": None if exact[0] is None else f"{sum(exact)}/{len(exact)}",
       "run_ids": sorted({r["run_id"] for r in recs}),
+      # Mean over the prompts that recorded them (records made before diagnostics existed have none).
+      "diagnostics": {k: np.mean([r["diagnostics"][k] for r in recs if k in r.get("diagnostics", {})],
+                                 0).round(4).tolist() for k in r0.get("diagnostics", {})},
   }
 
 
 def _paired(cells: dict, a: tuple, b: tuple, cfg: SuiteConfig) -> dict | None:
-  """Paired bootstrap of mean tau(a) - tau(b) over the prompts both measured (same prompts, same cut points)."""
+  """Paired bootstrap over the prompts both measured (same prompts, same cut points) of mean tau(a) - tau(b) and
+  of mean tau(a) / mean tau(b)."""
   ta = dict(zip(cells[a]["prompts"], cells[a]["tau_per_prompt"]))
   tb = dict(zip(cells[b]["prompts"], cells[b]["tau_per_prompt"]))
   common = sorted(set(ta) & set(tb))
   if len(common) < 2:
     return None
-  diff = np.asarray([ta[i] - tb[i] for i in common])
+  pair = np.asarray([[ta[i], tb[i]] for i in common])
+  diff = pair[:, 0] - pair[:, 1]
   lo, hi = bootstrap_ci(diff, cfg.bootstrap, cfg.ci)
-  return {"diff": float(diff.mean()), "ci": [lo, hi], "prompts": len(common), "exceeds_ci": bool(lo > 0 or hi < 0)}
+  ratio_ci = bootstrap_ci(pair, cfg.bootstrap, cfg.ci, stat=lambda x: x[..., 0].mean(-1) / x[..., 1].mean(-1))
+  return {"diff": float(diff.mean()), "ci": [lo, hi], "ratio": float(pair[:, 0].mean() / pair[:, 1].mean()),
+          "ratio_ci": list(ratio_ci), "prompts": len(common), "exceeds_ci": bool(lo > 0 or hi < 0)}
 
 
 def summarize(cfg: SuiteConfig, methods: list[MethodSpec], prompts: list[dict], target: dict, out: Path) -> dict:
@@ -628,19 +647,22 @@ def summarize(cfg: SuiteConfig, methods: list[MethodSpec], prompts: list[dict], 
           if d:
             pairs.append({"temperature": float(t), "context": ctx, "a": a, "b": b, **d})
   trends = []
+  ref = cfg.reference_context or min(cfg.contexts)
   for t in cfg.temperatures:
     for m in methods:
-      ctxs = [c for c in sorted(cfg.contexts) if (m.text, c, float(t)) in cells]
-      for c in ctxs[1:]:
-        d = _paired(cells, (m.text, c, float(t)), (m.text, ctxs[0], float(t)), cfg)
+      if (m.text, ref, float(t)) not in cells:
+        continue
+      for c in sorted(cfg.contexts):
+        d = (_paired(cells, (m.text, c, float(t)), (m.text, ref, float(t)), cfg)
+             if c != ref and (m.text, c, float(t)) in cells else None)
         if d:
-          trends.append({"temperature": float(t), "method": m.text, "context": c, "from_context": ctxs[0], **d})
+          trends.append({"temperature": float(t), "method": m.text, "context": c, "from_context": ref, **d})
   runs = [json.loads(ln) for ln in (out / "runs.jsonl").read_text().splitlines() if ln.strip()] \
       if (out / "runs.jsonl").exists() else []
   docs = sorted({p["doc"] for p in prompts})
   return {"config": dataclasses.asdict(cfg), "target": target, "prompts": prompts, "documents": docs,
           "protocol_met": cfg.num_prompts >= PROTOCOL[0] and len(docs) >= PROTOCOL[1], "runs": runs,
-          "cells": list(cells.values()), "tau_differences": pairs, "tau_vs_shortest_context": trends,
+          "cells": list(cells.values()), "tau_differences": pairs, "tau_vs_reference_context": trends,
           "records": [r for k in keys for r in sorted(by_cell[k], key=lambda r: r["prompt"])]}
 
 
@@ -702,11 +724,24 @@ def markdown(results: dict) -> str:
   for d in results["tau_differences"]:
     md.append(f"| {d['temperature']:g} | {d['context']} | {d['a']} | {d['b']} | {d['diff']:+.2f} "
               f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}] | {'yes' if d['exceeds_ci'] else 'no'} |")
-  md += ["", "## tau change from the shortest context (paired over the same cut points)", "",
-         "| T | method | context | tau(context) - tau(shortest) [CI] | exceeds CI |", "|---|---|---|---|---|"]
-  for d in results["tau_vs_shortest_context"]:
+  md += ["", f"## tau change from the reference context ({cfg.get('reference_context') or min(cfg['contexts'])}; "
+         "paired over the same cut points)", "",
+         "| T | method | context | tau(context) - tau(ref) [CI] | difference exceeds CI | tau(context) / tau(ref) [CI] |",
+         "|---|---|---|---|---|---|"]
+  for d in results["tau_vs_reference_context"]:
     md.append(f"| {d['temperature']:g} | {d['method']} | {d['from_context']} -> {d['context']} | {d['diff']:+.2f} "
-              f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}] | {'yes' if d['exceeds_ci'] else 'no'} |")
+              f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}] | {'yes' if d['exceeds_ci'] else 'no'} | {d['ratio']:.2f} "
+              f"[{d['ratio_ci'][0]:.2f}, {d['ratio_ci'][1]:.2f}] |")
+  diag = [c for c in results["cells"] if c.get("diagnostics")]
+  if diag:
+    md += ["", "## Drafter diagnostics (mean over prompts, at the prompt's end; per-layer values averaged)", "",
+           "| method | T | context | diagnostic | value |", "|---|---|---|---|---|"]
+    for c in diag:
+      for k, v in c["diagnostics"].items():
+        v = np.asarray(v)
+        shown = v.reshape(-1, v.shape[-1]).mean(0) if v.ndim else v.reshape(1)
+        md.append(f"| {c['method']} | {c['temperature']:g} | {c['context']} | {k} | "
+                  f"{' '.join(f'{x:.3f}' for x in shown)} |")
   md += ["", "## Plots", ""] + [f"![{name}]({name}.png)" for name in PLOTS]
   return "\n".join(md) + "\n"
 

@@ -72,6 +72,13 @@ def test_suite_outputs_and_resume(env, tmp_path, capsys):
   assert "loadavg_1min_start" in run and "loadavg_1min_end" in run and run["failed"] == {}
   md = (out / "results.md").read_text()
   assert "| prompt-lookup | 0 | 96 | 8 |" in md and "exceeds CI" in md
+  # tau at 96 against the reference context (the shortest, 48): the ratio of the two cells' means, inside its CI.
+  (trend,) = [d for d in res["tau_vs_reference_context"] if d["method"] == "prompt-lookup"]
+  by_ctx = {c["context"]: c["tau_mean"] for c in res["cells"] if c["method"] == "prompt-lookup"}
+  assert (trend["from_context"], trend["context"]) == (48, 96)
+  assert trend["ratio"] == pytest.approx(by_ctx[96] / by_ctx[48])
+  assert trend["ratio_ci"][0] <= trend["ratio"] <= trend["ratio_ci"][1]
+  assert trend["diff"] == pytest.approx(by_ctx[96] - by_ctx[48])
   for name in ("tau_vs_context", "speedup_vs_context", "draft_ms_vs_context", "state_bytes_vs_context"):
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   cells = sorted((out / "cells").glob("*.jsonl"))
@@ -151,10 +158,29 @@ def test_method_options_and_config_errors(env, tmp_path):
          "methods=[pard:num_draft=0]": "num_draft must be an integer", "methods=[ar,ar]": "duplicates",
          "contexts=[]": "contexts must be", "contexts=[256]": "exceeds cut_min_tokens", "num_prompts=1": "num_prompts",
          "temperatures=[-1]": "temperatures", "docs=[/no/such.txt]": "not found", "ci=1.5": "ci must be",
-         "colour=red": "unknown config keys", "rope_scaling=yarn": "TYPE:FACTOR"}
+         "colour=red": "unknown config keys", "rope_scaling=yarn": "TYPE:FACTOR",
+         "reference_context=64": "reference_context 64 is not one of the contexts"}
   for override, msg in bad.items():
     with pytest.raises(ValueError, match=msg):
       load_config(_config(env, tmp_path), [override])
   with pytest.raises(ValueError, match="maximum context"):
     run_suite(load_config(_config(env, tmp_path), ["new_tokens=2000"]), tmp_path / "o", progress=False)
   assert SuiteConfig().model == ""  # the shipped default target
+
+
+def test_drafter_diagnostics_are_recorded(env, tmp_path):
+  """A drafter with `diagnostics` (LongSpark: attention mass per view) gets it recorded per prompt and averaged per
+  cell; the three view masses of every layer sum to 1."""
+  from longspec_jax.drafters.longspark import create_longspark, longspark_config_for, save_longspark_dir
+  from longspec_jax.inference.bench_suite import load_target
+  d, _ = env
+  model, _, _ = load_target(str(d / "target"))
+  save_longspark_dir(create_longspark(longspark_config_for(model.cfg, num_layers=2, raw_window=16), seed=3),
+                     tmp_path / "ls")
+  res = run_suite(load_config(_config(env, tmp_path, methods=[f"longspark:drafter={tmp_path / 'ls'}"], contexts=[64],
+                                      num_prompts=2, min_docs=2)), tmp_path / "out", progress=False)
+  (cell,) = res["cells"]
+  mass = np.asarray(cell["diagnostics"]["view_mass_global_raw_local"])
+  assert mass.shape == (2, 3) and np.allclose(mass.sum(-1), 1.0, atol=1e-3) and (mass > 0).all()
+  assert all(len(r["diagnostics"]["view_mass_global_raw_local"]) == 2 for r in res["records"])
+  assert "view_mass_global_raw_local" in (tmp_path / "out" / "results.md").read_text()

@@ -56,6 +56,8 @@ class Drafter(Protocol):
   needs_target_kv: bool  # whether verify/prefill results must carry the target's written K/V
   vocab_size: int
   # Optional: `max_draft_tokens`, the most drafts one proposal can hold (block drafters); unbounded when absent.
+  # Optional: `diagnostics(params, state, ctx) -> dict[str, Array]`, numbers about how the drafter uses its state
+  # (e.g. LongSpark's attention mass per view), recorded by the bench suite once per prompt after prefill.
 
   def init_state(self, params, prefill: PrefillResult, max_len: int) -> Any: ...
 

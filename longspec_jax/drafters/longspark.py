@@ -356,6 +356,14 @@ class LongSparkDrafter:
     h = model.block_hidden(x, pos, attend)
     return head_logits(params["io"], _final_norm(params["io"], h))
 
+  def diagnostics(self, params, state, ctx):
+    """Attention mass of the next block's queries on (Global, Raw, Local) per drafter layer, [L, 3] (mean over
+    sequences, block rows and heads): how much each view carries at this context."""
+    pending = jnp.take_along_axis(ctx.tokens, (ctx.num_tokens - 1)[:, None], axis=1)[:, 0]
+    record = []
+    self.block_logits(params, state, pending, record=record)
+    return {"view_mass_global_raw_local": jnp.stack([r.mean((0, 1, 2)) for r in record])}
+
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
     bs = self.cfg.block_size
     if not 1 <= num_draft <= bs:
