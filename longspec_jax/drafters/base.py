@@ -36,6 +36,11 @@ class ProposeContext:
   num_tokens: jax.Array  # [B] committed tokens; tokens[b, num_tokens[b]-1] is the newest (not yet in target KV)
   sampling: SamplingParams
 
+  @property
+  def pending(self) -> jax.Array:
+    """[B] the newest committed token of each sequence (the one a block drafter anchors its block on)."""
+    return jnp.take_along_axis(self.tokens, (self.num_tokens - 1)[:, None], axis=1)[:, 0]
+
 
 @flax.struct.dataclass
 class VerifyResult:

@@ -170,7 +170,7 @@ class DeLSDrafter:
     return self.base.init_state(params["base"], prefill, max_len)
 
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
-    pending = jnp.take_along_axis(ctx.tokens, (ctx.num_tokens - 1)[:, None], axis=1)[:, 0]
+    pending = ctx.pending
     base_logits = self.base.block_logits(params["base"], state, pending, num_draft)
     if not sample:
       drafts, _ = decode_block(self.cfg, params["head"], base_logits, pending)

@@ -266,7 +266,7 @@ class DFlashDrafter:
     return head_logits(params["io"], h[:, 1:1 + num_draft])
 
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
-    pending = jnp.take_along_axis(ctx.tokens, (ctx.num_tokens - 1)[:, None], axis=1)[:, 0]
+    pending = ctx.pending
     logits = self.block_logits(params, state, pending, num_draft)
     if not sample:
       return jnp.argmax(logits, -1).astype(jnp.int32), None, state

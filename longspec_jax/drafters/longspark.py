@@ -359,16 +359,15 @@ class LongSparkDrafter:
   def diagnostics(self, params, state, ctx):
     """Attention mass of the next block's queries on (Global, Raw, Local) per drafter layer, [L, 3] (mean over
     sequences, block rows and heads): how much each view carries at this context."""
-    pending = jnp.take_along_axis(ctx.tokens, (ctx.num_tokens - 1)[:, None], axis=1)[:, 0]
     record = []
-    self.block_logits(params, state, pending, record=record)
+    self.block_logits(params, state, ctx.pending, record=record)
     return {"view_mass_global_raw_local": jnp.stack([r.mean((0, 1, 2)) for r in record])}
 
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
     bs = self.cfg.block_size
     if not 1 <= num_draft <= bs:
       raise ValueError(f"num_draft_tokens {num_draft} is outside [1, {bs}] for a LongSpark block of {bs}")
-    pending = jnp.take_along_axis(ctx.tokens, (ctx.num_tokens - 1)[:, None], axis=1)[:, 0]
+    pending = ctx.pending
     base = self.block_logits(params, state, pending)[:, :num_draft]
     model = self._model(params)
     if model.parallel_markov_head is None:
