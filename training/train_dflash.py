@@ -244,7 +244,7 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   if not is_main_process():  # process 0 exports
     return run.out / "final"
   if scale is not None:
-    fold_tap_scale(trained, scale)
+    fold_input_scale(trained.fc, scale)
   return export_dflash(trained, cfg, target, target_dir, manifests, val_rows, pad_id, time.time() - t0, cached)
 
 
@@ -260,10 +260,11 @@ def tap_scale(sampler: BlockSampler, window_taps, batch_size: int, num_batches: 
   return (1.0 / np.maximum(med, 1e-3)).astype(np.float32)
 
 
-def fold_tap_scale(model: DFlashModel, scale: np.ndarray) -> None:
-  """fc(taps * scale) == fc'(taps) with fc' = fc with its input rows scaled: the exported drafter reads raw taps."""
-  kernel = model.fc.kernel[...]
-  model.fc.kernel[...] = (kernel.astype(jnp.float32) * jnp.asarray(scale).reshape(-1, 1)).astype(kernel.dtype)
+def fold_input_scale(linear, scale: np.ndarray) -> None:
+  """linear(x * scale) == linear'(x) with linear' = linear with its input rows scaled: the exported drafter reads
+  raw taps."""
+  kernel = linear.kernel[...]
+  linear.kernel[...] = (kernel.astype(jnp.float32) * jnp.asarray(scale).reshape(-1, 1)).astype(kernel.dtype)
 
 
 def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows, pad_id: int, cached=None) -> dict:

@@ -42,6 +42,7 @@ from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_v
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
 from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.train_dflash import fold_input_scale
 from longspec_jax.training.train_drafter import _target_config
 from longspec_jax.training.trainer import OptimConfig, start_run
 
@@ -56,7 +57,16 @@ class LongSparkTrainConfig:
   num_global_slots: int = 16
   raw_window: int = 256
   markov_rank: int = 64
+  model: dict = dataclasses.field(default_factory=dict)  # drafter layer overrides, e.g. intermediate_size
+  mask_token_id: int = -1  # -1 = the target's mask_token_id (a target without one needs an unused id here)
+  # Train on boundary taps / median|tap| per (layer, dim) (targets with massive activations, e.g. SmolLM2); the
+  # scale is folded into the state encoder at export, so the exported drafter reads raw taps.
+  normalize_boundary: bool = False
   anchors_per_window: int = 32
+  # Share of a batch's windows whose cut (the prefix/tail boundary the anchors follow) is drawn anywhere in the
+  # window instead of at the prompt's end: their anchors predict the document's own text at every context length,
+  # far more anchors than the target's continuations alone (which a big drafter memorises). 0 = continuations only.
+  anywhere_fraction: float = 0.0
   gamma: float = 4.0  # slot-weight decay exp(-j/gamma), j = 0..B_s-1
   batch_size: int = 4
   steps: int = 1000
@@ -77,6 +87,8 @@ class LongSparkTrainConfig:
                  "batch_size", "steps"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if not 0.0 <= self.anywhere_fraction <= 1.0:
+      raise ValueError(f"anywhere_fraction must be in [0, 1], got {self.anywhere_fraction}")
     if self.gamma <= 0 or self.markov_rank < 0 or self.val_windows < 0:
       raise ValueError(f"need gamma > 0, markov_rank >= 0, val_windows >= 0, got {self.gamma}, "
                        f"{self.markov_rank}, {self.val_windows}")
@@ -166,11 +178,21 @@ def _shift_window(model, batch):
   return dict(batch, pre_k=rotate(batch["pre_k"]), slab_k=rotate(batch["slab_k"]))
 
 
+def boundary_scale(samplers, batch_size: int, num_batches: int = 8) -> np.ndarray:
+  """[L, H] float32: 1 / median |boundary tap| per (layer, dimension) over batches no training step draws."""
+  taps = [samplers[i % len(samplers)].batch(10**12 + i, batch_size)["boundary"] for i in range(num_batches)]
+  taps = [np.abs(t).reshape(-1, *t.shape[-2:]) for t in taps]  # [B, A, L, H] -> [rows, L, H]
+  return (1.0 / np.maximum(np.median(np.concatenate(taps), axis=0), 1e-3)).astype(np.float32)
+
+
 def longspark_loss(model, batch):
   if "shift" in batch:
     batch = _shift_window(model, batch)
   g_out = _summaries(model, batch)
-  logits = longspark_train_logits(model, batch["io"], batch["boundary"], batch["anchors"], g_out, batch["slab_k"],
+  boundary = batch["boundary"]
+  if "boundary_scale" in batch:
+    boundary = boundary * batch["boundary_scale"]
+  logits = longspark_train_logits(model, batch["io"], boundary, batch["anchors"], g_out, batch["slab_k"],
                                   batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))
   loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
   hit = (jnp.argmax(logits, -1) == batch["labels"]) & (batch["label_w"] > 0)
@@ -202,23 +224,27 @@ class LongSparkRows:
 class AnchorSampler:
   """Batches of windows from one cache; the batch for step s is a pure function of (seed, s), so a resumed run
   replays the same batches. Shapes are fixed per cache (prefix rows Cp, slab rows) so the step compiles once.
-  A window's prefix is rows [0, tail_start); its slab is rows [tail_start - W, end), so the slab's first W rows
-  are prefix rows (Raw only) and the rest are the tail the anchors live in."""
+  A window's prefix is rows [0, cut); its slab is rows [cut - W, cut + T), so the slab's first W rows are prefix
+  rows (Raw only) and the rest are the tail the anchors live in. The cut is tail_start (anchors in the target's
+  continuation), or for `anywhere_fraction` of the windows a uniform row (anchors in the document's text)."""
 
   def __init__(self, cache: LongSparkRows, windows, cfg: LongSparkTrainConfig, seed: int):
     self.c, self.windows, self.cfg, self.seed = cache, np.asarray(windows), cfg, seed
     w = cfg.raw_window
-    self.cp = int(-(-max(cache.tail_start[windows].max(), 1) // 128) * 128)
-    self.slab = int(-(-(w + (cache.lens - cache.tail_start)[windows].max()) // 8) * 8)
+    self.tail = int((cache.lens - cache.tail_start)[windows].max())  # T
+    last_cut = (cache.lens - 3) if cfg.anywhere_fraction else cache.tail_start
+    self.cp = int(-(-max(last_cut[windows].max(), 1) // 128) * 128)
+    self.slab = int(-(-(w + self.tail) // 8) * 8)
     self.slot_weight = np.exp(-np.arange(cfg.block_size) / cfg.gamma).astype(np.float32)
 
-  def window_batch(self, wins, anchors) -> dict:
+  def window_batch(self, wins, anchors, cuts=None) -> dict:
     cfg, c = self.cfg, self.c
+    cuts = c.tail_start[wins] if cuts is None else np.asarray(cuts)
     bs, w = cfg.block_size, cfg.raw_window
     parts = {k: [] for k in ("pre_k", "pre_v", "slab_k", "slab_v", "slab_pos", "boundary", "prev", "labels",
                              "label_w")}
-    for i, anc in zip(wins, anchors):
-      s, t = int(c.tail_start[i]), int(c.lens[i])
+    for i, anc, s in zip(wins, anchors, cuts):
+      s, t = int(s), int(c.lens[i])
       toks = np.asarray(c.rows[i][0], np.int32)
       pk, pv = c.window_kv(i, 0, self.cp)
       lo = s - w
@@ -233,7 +259,7 @@ class AnchorSampler:
       parts["labels"].append(seq[:, 1:])
       parts["label_w"].append((tgt[:, 1:] < t) * self.slot_weight[None, :])
     out = {k: np.stack(v, 1 if k in ("pre_k", "pre_v", "slab_k", "slab_v") else 0) for k, v in parts.items()}
-    out["pre_len"] = c.tail_start[wins].astype(np.int32)
+    out["pre_len"] = cuts.astype(np.int32)
     out["anchors"] = np.asarray(anchors, np.int32)
     out["label_w"] = out["label_w"].astype(np.float32)
     return out
@@ -241,10 +267,16 @@ class AnchorSampler:
   def batch(self, step: int, batch_size: int) -> dict:
     rng = np.random.default_rng([self.seed, step])
     wins = self.windows[rng.integers(0, len(self.windows), size=batch_size)]
-    # Anchors from the last prompt token (tail_start + 1) to the second-to-last row (>= 1 label).
-    anchors = [self.c.tail_start[i] + 1 + rng.integers(0, self.c.lens[i] - 2 - self.c.tail_start[i],
-                                                        size=self.cfg.anchors_per_window) for i in wins]
-    out = self.window_batch(wins, anchors)
+    lens = self.c.lens[wins]
+    cuts = self.c.tail_start[wins]
+    if self.cfg.anywhere_fraction:  # (no draws otherwise: continuation-only runs replay their old batches)
+      anywhere = rng.random(len(wins)) < self.cfg.anywhere_fraction
+      cuts = np.where(anywhere, (rng.random(len(wins)) * (lens - 2)).astype(np.int64), cuts)
+    # Anchors from cut + 1 (the last prompt token at the prompt's end) to the second-to-last row (>= 1 label),
+    # inside the slab's tail rows [cut, cut + T).
+    hi = np.minimum(lens - 2, cuts + self.tail - 1)
+    anchors = [cut + 1 + rng.integers(0, h - cut, size=self.cfg.anchors_per_window) for cut, h in zip(cuts, hi)]
+    out = self.window_batch(wins, anchors, cuts)
     if self.cfg.position_shift_max:
       room = np.maximum(self.cfg.position_shift_max - self.c.lens[wins], 0)
       shift = (rng.random(len(wins)) * room).astype(np.int32)
@@ -270,7 +302,8 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   target = load_model_dir(target_dir)
   dcfg = longspark_config_for(target_cfg, num_layers=cfg.num_layers, markov_rank=cfg.markov_rank,
                               num_global_slots=cfg.num_global_slots, raw_window=cfg.raw_window,
-                              block_size=cfg.block_size)
+                              block_size=cfg.block_size,
+                              mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id, **cfg.model)
   weights_id = weights_sha256(target_dir)
   caches = []
   for d, (rows, _, _, _, num_rows) in zip(cfg.data_dirs, loaded):
@@ -297,12 +330,15 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   batch_sharding = shd.batch_sharding(run.mesh)
   kv_sharding = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, "data"))
 
+  scale = boundary_scale(samplers, cfg.batch_size) if cfg.normalize_boundary else None
+  extra = {"io": io} if scale is None else {"io": io, "boundary_scale": run.replicate(scale)}
+
   def batch_fn(step):
     # Data dirs take turns (each keeps its own fixed shapes, so the step compiles once per dir).
     b = samplers[step % len(samplers)].batch(step, cfg.batch_size)
     on_device = {k: jax.device_put(v, kv_sharding if k in ("pre_k", "pre_v", "slab_k", "slab_v")
                                    else batch_sharding) for k, v in b.items()}
-    return dict(on_device, io=io)
+    return dict(on_device, **extra)
 
   def loss_fn(p, batch):
     return longspark_loss(nnx.merge(graphdef, p), batch)
@@ -314,6 +350,8 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   trained = nnx.merge(graphdef, run.local_params())
   if not is_main_process():  # process 0 exports
     return run.out / "final"
+  if scale is not None:
+    fold_input_scale(trained.draft_state_encoder.proj.fc_in, scale)
   val_sampler = AnchorSampler(caches[0], val, cfg, cfg.seed)
   return export_longspark(trained, cfg, target, target_dir, [l[1] for l in loaded], val_sampler, val,
                           time.time() - t0)
@@ -371,6 +409,9 @@ def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manif
       "num_global_slots": cfg.num_global_slots,
       "raw_window": cfg.raw_window,
       "markov_rank": cfg.markov_rank,
+      "model": dict(cfg.model),
+      "mask_token_id": model.cfg.mask_token_id,
+      "normalize_boundary": cfg.normalize_boundary,  # trained on taps / median|tap|, the scale folded into the encoder
       "target_layer_ids": list(model.cfg.target_layer_ids),
       "target": target_name(target_dir),
       "target_weights_sha256": weights_sha256(target_dir),
@@ -382,6 +423,7 @@ def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manif
       "steps": cfg.steps,
       "batch_size": cfg.batch_size,
       "anchors_per_window": cfg.anchors_per_window,
+      "anywhere_fraction": cfg.anywhere_fraction,
       "gamma": cfg.gamma,
       "anchors_seen": last.get("tokens"),
       "final_loss": last.get("loss"),

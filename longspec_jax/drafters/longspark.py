@@ -124,15 +124,17 @@ class LongSparkConfig:
 
 def longspark_config_for(target: ModelConfig, *, num_layers: int = 5, markov_rank: int = 0,
                          num_global_slots: int = 16, raw_window: int = 256, block_size: int = 7,
-                         **arch_overrides) -> LongSparkConfig:
-  """A LongSpark config for `target`: its width, heads, MLP width, vocabulary and RoPE; `num_layers` target layers
-  evenly spaced as in DFlash, one drafter layer each."""
-  if target.mask_token_id is None:
-    raise ValueError("the target config has no mask_token_id; LongSpark needs a reserved mask token")
+                         mask_token_id: int | None = None, **arch_overrides) -> LongSparkConfig:
+  """A LongSpark config for `target`: its width, heads, MLP width (or `intermediate_size=`), vocabulary and RoPE;
+  `num_layers` target layers evenly spaced as in DFlash, one drafter layer each. mask_token_id: the block's mask
+  token (default the target's; a target without one, e.g. SmolLM2, needs an id it never emits)."""
+  mask_token_id = target.mask_token_id if mask_token_id is None else mask_token_id
+  if mask_token_id is None:
+    raise ValueError("the target config has no mask_token_id; LongSpark needs a reserved mask token (pass one)")
   arch = target.replace(num_hidden_layers=num_layers, family="qwen3", tie_word_embeddings=True,
                         attention_bias=False, mlp_bias=False, **arch_overrides)
   return LongSparkConfig(arch=arch, target_layer_ids=default_target_layer_ids(target.num_hidden_layers, num_layers),
-                         num_target_layers=target.num_hidden_layers, mask_token_id=target.mask_token_id,
+                         num_target_layers=target.num_hidden_layers, mask_token_id=mask_token_id,
                          block_size=block_size, num_global_slots=num_global_slots, raw_window=raw_window,
                          markov_rank=markov_rank)
 
@@ -425,8 +427,15 @@ def longspark_io(target) -> dict:
 
 
 def longspark_from_model(model: LongSparkModel, target) -> LoadedDrafter:
+  """The drafter for `target`. Its block queries take the target's RoPE (e.g. YaRN when the target runs past its
+  trained context), because they attend to the target's own rotated keys in the Raw window."""
   model.cfg.check_target(target.cfg)
   graphdef, state = nnx.split(model)
+  if model.cfg.arch.rope != target.cfg.rope:
+    arch = model.cfg.arch.replace(rope=target.cfg.rope, max_position_embeddings=target.cfg.max_position_embeddings)
+    model = nnx.merge(graphdef, state)  # a copy: the caller's model keeps its config
+    model.cfg = dataclasses.replace(model.cfg, arch=arch)
+    graphdef, state = nnx.split(model)
   return LoadedDrafter(LongSparkDrafter(graphdef=graphdef, cfg=model.cfg),
                        {"drafter": state, "io": longspark_io(target)})
 
