@@ -216,6 +216,8 @@ def test_train_dflash_exports_and_resumes_exactly(env, tmp_path):  # noqa: F811
   assert info["kind"] == "dflash" and info["n0"] == 32 and info["block_size"] == 4
   assert len(info["val_top1_per_slot"]) == 3
   assert str(train_dflash(cfg("b", stop_after_steps=5))).endswith("checkpoints")
+  with pytest.raises(ValueError, match=r"other settings \(gamma\)"):  # would silently mix two runs
+    train_dflash(cfg("b", gamma=2.0))
   resumed = train_dflash(cfg("b"))
   log_b = [json.loads(l) for l in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
   assert log_b[-1] == {**log[-1], "elapsed_s": log_b[-1]["elapsed_s"]}
@@ -225,3 +227,29 @@ def test_train_dflash_exports_and_resumes_exactly(env, tmp_path):  # noqa: F811
   prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
   assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft_tokens=3).tokens == \
       generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
+
+
+def test_block_sampler_anchors_anywhere_and_dirs_in_turns():
+  """anywhere_fraction 1: anchors follow a cut anywhere in the window (most inside the prompt), spanning no more rows
+  than the continuation has, and label the window's next tokens; fraction 0 keeps them in the continuation.
+  dir_turns: one sampler per data dir, padded to that dir's longest row rounded up to 128."""
+  from longspec_jax.training.train_dflash import BlockSampler, DFlashTrainConfig, block_samplers
+  lens, cont = [300, 200, 90, 120], 20
+  rows = [(list(range(1000 * i, 1000 * i + n)), n - cont, i) for i, n in enumerate(lens)]  # token = 1000 i + row
+  for fraction in (0.0, 1.0):
+    cfg = DFlashTrainConfig(context_len=320, block_size=4, anchors_per_window=6, anywhere_fraction=fraction)
+    sampler, in_prompt = BlockSampler(rows, cfg, pad_id=-1, seed=0), []
+    for step in range(20):
+      b = sampler.batch(step, 3)
+      for j, i in enumerate(b["row"]):
+        anc = b["anchors"][j]
+        assert 1 <= anc.min() and anc.max() <= lens[i] - 2 and anc.max() - anc.min() <= cont
+        np.testing.assert_array_equal(b["labels"][j, :, 0], 1000 * i + anc + 1)
+        np.testing.assert_array_equal(b["tokens"][j, :lens[i]], rows[i][0])
+        in_prompt.append(anc < lens[i] - cont - 1)
+    assert np.mean(in_prompt) > 0.5 if fraction else not np.any(in_prompt)
+  turns = block_samplers(rows, DFlashTrainConfig(data_dirs=("a", "b"), context_len=320, dir_turns=True), -1,
+                         dir_ends=[2, 4])
+  assert [s.cfg.context_len for s in turns] == [320, 128]
+  assert [sorted(s.row_ids) for s in turns] == [[0, 1], [2, 3]]
+  assert turns[1].batch(0, 2)["tokens"].shape == (2, 128)

@@ -131,7 +131,7 @@ def _load_rows(cfg: DeLSTrainConfig):
 
 def _sampler_cfg(cfg: DeLSTrainConfig, block_size: int, anchors: int, gamma: float):
   return types.SimpleNamespace(context_len=cfg.context_len, block_size=block_size, anchors_per_window=anchors,
-                               gamma=gamma)
+                               gamma=gamma, anywhere_fraction=0.0)  # anchors in the target's continuation
 
 
 def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:

@@ -52,6 +52,13 @@ class DFlashTrainConfig:
   num_target_taps: int = 5  # target layers read, evenly spaced from 1 to L-3
   block_size: int = 16
   context_len: int = 512  # n0: the longest window trained on (the data rows are at most this long)
+  # Data dirs take turns, each batch from one dir padded only to that dir's longest row (capped at context_len):
+  # long and short dirs mixed without padding every short row to the longest (one compile per dir).
+  dir_turns: bool = False
+  # Share of a batch's windows whose anchors follow a cut drawn anywhere in the window (predicting the document's
+  # own text) instead of the prompt's end; they span as many rows after the cut as the continuation has. Few long
+  # windows have too few continuation anchors to learn from without memorising (as in train_longspark).
+  anywhere_fraction: float = 0.0
   anchors_per_window: int = 16
   gamma: float = 7.0  # slot-weight decay exp(-(k-1)/gamma)
   batch_size: int = 8
@@ -76,6 +83,8 @@ class DFlashTrainConfig:
                        f"{self.gamma}, {self.val_fraction}")
     if not self.data_dirs:
       raise ValueError("data_dirs is empty")
+    if not 0.0 <= self.anywhere_fraction <= 1.0:
+      raise ValueError(f"anywhere_fraction must be in [0, 1], got {self.anywhere_fraction}")
 
 
 class BlockSampler:
@@ -116,7 +125,13 @@ class BlockSampler:
                     self.pad_id).astype(np.int32)
     # Anchors in the target's continuation (from the last prompt token on), each with >= 1 real label.
     lo = np.clip(self.prompt_lens[picks] - 1 - offs, 1, valid - 2)
-    anchors = (lo[:, None] + u * (valid - 1 - lo)[:, None]).astype(np.int32)
+    hi = valid - 1
+    if cfg.anywhere_fraction:  # (no draws otherwise: continuation-only runs replay their old batches)
+      anywhere, cut = rng.random(batch_size)[rows] < cfg.anywhere_fraction, rng.random(batch_size)[rows]
+      cut = 1 + (cut * (valid - 2)).astype(np.int64)  # in [1, valid - 2]
+      span = self.lens[picks] - self.prompt_lens[picks] + 1
+      lo, hi = np.where(anywhere, cut, lo), np.where(anywhere, np.minimum(cut + span, valid - 1), hi)
+    anchors = (lo[:, None] + u * (hi - lo)[:, None]).astype(np.int32)
     tgt_pos = anchors[..., None] + np.arange(1, bs)[None, None, :]
     labels = np.take_along_axis(toks[:, None, :], np.minimum(tgt_pos, c - 1), axis=2)
     weights = (tgt_pos < valid[:, None, None]) * self.slot_weight[None, None, :]
@@ -205,13 +220,13 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   cached = open_row_taps(cfg.data_dirs, datasets, taps=dcfg.taps, weights_id=weights_sha256(target_dir),
                          mode=cfg.features)
   pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
-  sampler = BlockSampler(train_rows, cfg, pad_id, cfg.seed)
+  samplers = block_samplers(train_rows, cfg, pad_id, np.cumsum([len(ds) for ds in datasets]))
 
   model = create_dflash(dcfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype))
   print(f"DFlash drafter: {param_count(model) / 1e6:.2f}M parameters (+ the target's frozen embedding/head), "
         f"{len(train_rows)} train / {len(val_rows)} val rows, target layers {dcfg.target_layer_ids}, block "
-        f"{cfg.block_size}, window {cfg.context_len} x {cfg.anchors_per_window} anchors, target taps "
-        f"{'from the feature cache' if cached else 'computed every step (no feature cache)'}")
+        f"{cfg.block_size}, window {[s.cfg.context_len for s in samplers]} x {cfg.anchors_per_window} anchors, "
+        f"target taps {'from the feature cache' if cached else 'computed every step (no feature cache)'}")
 
   graphdef, params = nnx.split(model)
   run = start_run(cfg, params, resume=resume)
@@ -225,10 +240,12 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
 
   scale = None
   if cfg.normalize_taps:
-    scale = tap_scale(sampler, lambda b: target_taps(with_taps(b, cached, dcfg.taps, model.dtype)), cfg.batch_size)
+    scale = tap_scale(samplers[0], lambda b: target_taps(with_taps(b, cached, dcfg.taps, model.dtype)),
+                      cfg.batch_size)
   extra = {"io": io} if scale is None else {"io": io, "tap_scale": run.replicate(scale)}
 
   def batch_fn(step):
+    sampler = samplers[step % len(samplers)]
     batch = run.batch(lambda rows: with_taps(sampler.batch(step, cfg.batch_size, rows), cached, dcfg.taps,
                                              model.dtype), cfg.batch_size)
     return dict(target_taps(batch), **extra)
@@ -236,9 +253,11 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   def loss_fn(p, batch):
     return dflash_loss(nnx.merge(graphdef, p), batch)
 
+  def tokens_fn(step):
+    return cfg.batch_size * samplers[step % len(samplers)].cfg.context_len
+
   t0 = time.time()
-  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
-                   desc="train-drafter dflash"):
+  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=tokens_fn, desc="train-drafter dflash"):
     return run.out / "checkpoints"
   trained = nnx.merge(graphdef, run.local_params())
   if not is_main_process():  # process 0 exports
@@ -246,6 +265,22 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   if scale is not None:
     fold_input_scale(trained.fc, scale)
   return export_dflash(trained, cfg, target, target_dir, manifests, val_rows, pad_id, time.time() - t0, cached)
+
+
+def block_samplers(train_rows, cfg: DFlashTrainConfig, pad_id: int, dir_ends) -> list[BlockSampler]:
+  """One sampler over all rows, or with dir_turns one per data dir (row ids < dir_ends[i] are dir i's) whose
+  window is its longest row rounded up to 128 (at most context_len); seeds differ per dir."""
+  if not cfg.dir_turns or len(dir_ends) == 1:
+    return [BlockSampler(train_rows, cfg, pad_id, cfg.seed)]
+  out = []
+  for i, end in enumerate(dir_ends):
+    rows = [r for r in train_rows if (dir_ends[i - 1] if i else 0) <= r[2] < end]
+    if not rows:
+      raise ValueError(f"data dir {cfg.data_dirs[i]} has no training rows")
+    longest = -(-max(len(r[0]) for r in rows) // 128) * 128
+    out.append(BlockSampler(rows, dataclasses.replace(cfg, context_len=min(longest, cfg.context_len)), pad_id,
+                            cfg.seed + i))
+  return out
 
 
 def tap_scale(sampler: BlockSampler, window_taps, batch_size: int, num_batches: int = 8) -> np.ndarray:
@@ -256,8 +291,12 @@ def tap_scale(sampler: BlockSampler, window_taps, batch_size: int, num_batches: 
     batch = window_taps(sampler.batch(10**12 + i, batch_size))  # a step no training run reaches
     real = np.asarray(batch["tokens"]) != sampler.pad_id
     taps.append(np.abs(np.asarray(batch["taps"], np.float32)[real]))
-  med = np.median(np.concatenate(taps), axis=0)
-  return (1.0 / np.maximum(med, 1e-3)).astype(np.float32)
+  return inverse_median_scale(taps)
+
+
+def inverse_median_scale(abs_taps: list[np.ndarray]) -> np.ndarray:
+  """1 / median over rows of |tap| ([rows, ...] arrays, concatenated), floored at 1e-3, float32."""
+  return (1.0 / np.maximum(np.median(np.concatenate(abs_taps), axis=0), 1e-3)).astype(np.float32)
 
 
 def fold_input_scale(linear, scale: np.ndarray) -> None:
@@ -272,7 +311,8 @@ def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows,
   length where the row is the target's greedy output)."""
   if not rows:
     return {}
-  sampler = BlockSampler(rows, dataclasses.replace(cfg, gamma=1e9), pad_id, seed=cfg.seed + 1)  # flat weights
+  # Flat slot weights; anchors in the continuation only (the target's own text, as at inference).
+  sampler = BlockSampler(rows, dataclasses.replace(cfg, gamma=1e9, anywhere_fraction=0.0), pad_id, seed=cfg.seed + 1)
   bs = min(cfg.batch_size, cfg.val_windows)
   graphdef, params = nnx.split(model)
   io = target_io(target)
@@ -318,6 +358,8 @@ def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target, target_dir
       "steps": cfg.steps,
       "batch_size": cfg.batch_size,
       "anchors_per_window": cfg.anchors_per_window,
+      "anywhere_fraction": cfg.anywhere_fraction,
+      "dir_turns": cfg.dir_turns,
       "gamma": cfg.gamma,
       "tokens_seen": last.get("tokens"),
       "final_loss": last.get("loss"),

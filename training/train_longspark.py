@@ -42,7 +42,7 @@ from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_v
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
 from longspec_jax.training.losses import cross_entropy
-from longspec_jax.training.train_dflash import fold_input_scale
+from longspec_jax.training.train_dflash import fold_input_scale, inverse_median_scale
 from longspec_jax.training.train_drafter import _target_config
 from longspec_jax.training.trainer import OptimConfig, start_run
 
@@ -182,7 +182,7 @@ def boundary_scale(samplers, batch_size: int, num_batches: int = 8) -> np.ndarra
   """[L, H] float32: 1 / median |boundary tap| per (layer, dimension) over batches no training step draws."""
   taps = [samplers[i % len(samplers)].batch(10**12 + i, batch_size)["boundary"] for i in range(num_batches)]
   taps = [np.abs(t).reshape(-1, *t.shape[-2:]) for t in taps]  # [B, A, L, H] -> [rows, L, H]
-  return (1.0 / np.maximum(np.median(np.concatenate(taps), axis=0), 1e-3)).astype(np.float32)
+  return inverse_median_scale(taps)
 
 
 def longspark_loss(model, batch):

@@ -208,6 +208,10 @@ class Run:
     return jax.tree.map(jnp.asarray, host_values(self.state.params))
 
 
+# Settings a resumed run may change: they do not alter what is trained.
+RESUME_FREE_KEYS = frozenset({"stop_after_steps", "checkpoint_every_minutes", "log_every"})
+
+
 def start_run(cfg, params, *, resume: bool, total_steps: int | None = None,
               batch_sizes: tuple[int, ...] | None = None, record: dict | None = None) -> Run:
   """The setup every trainer shares: `cfg.out_dir` with train_config.json (`record`, default the config; written
@@ -216,8 +220,17 @@ def start_run(cfg, params, *, resume: bool, total_steps: int | None = None,
   latest checkpoint in out_dir/checkpoints when `resume`."""
   out = Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
+  record = json.loads(json.dumps(record or dataclasses.asdict(cfg)))
+  ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint_every_minutes)
+  if resume and ckpt.latest_step() is not None and (out / "train_config.json").exists():
+    old = json.loads((out / "train_config.json").read_text())
+    # (keys the old record lacks are options added since, at their old behaviour by default)
+    changed = sorted(k for k in old if k not in RESUME_FREE_KEYS and old[k] != record.get(k))
+    if changed:  # resuming would silently mix two runs
+      raise ValueError(f"{out} holds a checkpoint of a run with other settings ({', '.join(changed)}): rerun with "
+                       "the same config, or start over with --no-resume or another out_dir")
   if is_main_process():
-    (out / "train_config.json").write_text(json.dumps(record or dataclasses.asdict(cfg), indent=2))
+    (out / "train_config.json").write_text(json.dumps(record, indent=2))
   mesh = shd.make_mesh(cfg.mesh_data or None)
   for size in batch_sizes or (cfg.batch_size,):
     if size % mesh.shape["data"]:
@@ -226,7 +239,6 @@ def start_run(cfg, params, *, resume: bool, total_steps: int | None = None,
   optimizer = make_optimizer(cfg.optim, total_steps)
   with jax.set_mesh(mesh):
     state = init_train_state(params, optimizer, mesh)
-  ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint_every_minutes)
   if resume and ckpt.latest_step() is not None:
     state = ckpt.restore(state)
     print(f"resumed from step {int(state.step)}")
