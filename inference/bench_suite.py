@@ -183,9 +183,9 @@ def load_target(model: str, rope_scaling: str = ""):
 
 
 def drafter_checkpoint(m: MethodSpec, target=None) -> dict | None:
-  """The checkpoint a method's drafter loads (directory and a hash of its weights, config.json and
-  sharpdraft.json), so that results of a retrained drafter are never mixed with the old ones; None for methods
-  without a checkpoint (AR, prompt lookup)."""
+  """The checkpoint a method's drafter loads (directory and a hash of its weights, config.json and, when the
+  method turns SharpDraft on, sharpdraft.json), so that results of a retrained drafter are never mixed with the old
+  ones; None for methods without a checkpoint (AR, prompt lookup)."""
   from longspec_jax.drafters import drafter_path
   from longspec_jax.hf_io import weights_sha256
   if m.name == "ar":
@@ -195,7 +195,8 @@ def drafter_checkpoint(m: MethodSpec, target=None) -> dict | None:
   except FileNotFoundError:
     return None
   h = hashlib.sha256(weights_sha256(path).encode())
-  for name in ("config.json", "sharpdraft.json"):
+  sharp = dict(m.options).get("sharpdraft", "off") != "off"
+  for name in ("config.json", "sharpdraft.json") if sharp else ("config.json",):
     if (path / name).exists():
       h.update((path / name).read_bytes())
   return {"dir": str(path), "sha256": h.hexdigest()}

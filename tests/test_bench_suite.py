@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import yaml
 
-from longspec_jax.inference.bench_suite import (SuiteConfig, bootstrap_ci, load_config, parse_method, ratio_of_rates,
-                                                run_suite, select_cuts)
+from longspec_jax.inference.bench_suite import (SuiteConfig, bootstrap_ci, drafter_checkpoint, load_config,
+                                                parse_method, ratio_of_rates, run_suite, select_cuts)
 from longspec_jax.inference.cli import main
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.hf_io import save_model_dir
@@ -166,6 +166,22 @@ def test_method_options_and_config_errors(env, tmp_path):
   with pytest.raises(ValueError, match="maximum context"):
     run_suite(load_config(_config(env, tmp_path), ["new_tokens=2000"]), tmp_path / "o", progress=False)
   assert SuiteConfig().model == ""  # the shipped default target
+
+
+def test_checkpoint_identity_counts_sharpdraft_json_only_when_used(tmp_path):
+  """A drafter's identity (the resume fingerprint) covers its weights and config, and sharpdraft.json only for a
+  method that turns SharpDraft on: calibrating a drafter later must not invalidate its SharpDraft-off results."""
+  (tmp_path / "model.safetensors").write_bytes(b"w")
+  (tmp_path / "config.json").write_text("{}")
+  off, on = (parse_method(f"pard:drafter={tmp_path}{opt}", 8) for opt in ("", ",sharpdraft=exact"))
+  before = drafter_checkpoint(off)
+  (tmp_path / "sharpdraft.json").write_text("{}")
+  assert drafter_checkpoint(off) == before and drafter_checkpoint(on) != before
+  on_before = drafter_checkpoint(on)
+  (tmp_path / "sharpdraft.json").write_text('{"n0": 1}')
+  assert drafter_checkpoint(on) != on_before
+  (tmp_path / "config.json").write_text('{"a": 1}')
+  assert drafter_checkpoint(off) != before
 
 
 def test_drafter_diagnostics_are_recorded(env, tmp_path):
