@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from longspec_jax.attention import extend_attention
+from longspec_jax.attention import NEG_INF, extend_attention
 from longspec_jax.kv_cache import COMPILER_OPTIONS
 from longspec_jax.model import param_count
 from longspec_jax.targets import load_target, parse_rope_scaling
@@ -121,6 +121,34 @@ def profile(model, contexts, rows, repeats: int) -> list[dict]:
   return rows_out
 
 
+def attention_parts(model, contexts, rows, repeats: int) -> list[dict]:
+  """extend_attention's three stages over S cached positions, every layer (ms, medians), next to the FLOP floor of
+  the two products: scores (q k^T, [Hkv, T*G, D] x [Hkv, S, D]), softmax (mask, max, exp, sum over [Hkv, T*G, S]
+  fp32 scores) and values (p v). Where the pass's attention time goes for few rows over a long cache."""
+  cfg, n_layers = model.cfg, model.cfg.num_hidden_layers
+  hkv, d = cfg.num_key_value_heads, cfg.head_dim
+  g = cfg.num_attention_heads // hkv
+  scores = jax.jit(lambda q, ks: jnp.stack([jnp.einsum("nrd,nsd->nrs", q, k, preferred_element_type=jnp.float32)
+                                            .max() for k in ks]))
+  softmax = jax.jit(lambda sc, s: jnp.stack([jnp.exp(jnp.where(jnp.arange(x.shape[-1]) < s, x, NEG_INF)
+                                                     - x.max(-1, keepdims=True)).sum(-1) for x in sc]))
+  values = jax.jit(lambda p, vs: jnp.stack([jnp.einsum("nrs,nsd->nrd", p, v, preferred_element_type=jnp.float32)
+                                            for v in vs]))
+  out = []
+  for s in contexts:
+    ks = [0.1 * jax.random.normal(jax.random.key(i), (hkv, s, d), model.dtype) for i in range(n_layers)]
+    for t in rows:
+      q = 0.1 * jnp.ones((hkv, t * g, d), model.dtype)
+      # One array per layer, as in the pass (slicing one stacked array inside the program cost ~10x more here).
+      sc = [jax.random.normal(jax.random.key(99 + i), (hkv, t * g, s), jnp.float32) for i in range(n_layers)]
+      pr = jnp.abs(sc[0]).astype(model.dtype)
+      ms = interleaved_medians({"scores": lambda: scores(q, ks), "softmax": lambda: softmax(sc, s),
+                                "values": lambda: values(pr, ks)}, repeats)
+      out.append({"context": s, "rows": t, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
+                  "product_flops": 2 * hkv * t * g * s * d * n_layers})  # each of the two products
+  return out
+
+
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default=None, help="named target or HF directory (default: the shipped target)")
@@ -149,11 +177,19 @@ def main() -> int:
     print(f"{r['context']:>6} {r['rows']:>4} {r['pass_ms']:>7.1f} {r['layers_ms']:>7.1f} {r['attention_ms']:>7.1f} "
           f"{r['lm_head_ms']:>7.1f} {r['over_decode'] or float('nan'):>8.2f} {r['mem_floor_ms']:>9.1f} "
           f"{r['flop_floor_ms']:>10.1f}")
+  parts = attention_parts(model, contexts, [t for t in rows if t > 1] or rows, a.repeats)
+  print(f"attention stages, all layers (ms): {'ctx':>6} {'rows':>4} {'scores':>7} {'softmax':>7} {'values':>7} "
+        f"{'product GFLOP/s':>15}")
+  for r in parts:
+    r["product_gflop_per_s"] = round(r["product_flops"] / r["scores_ms"] / 1e6, 1)
+    print(f"{'':>34} {r['context']:>6} {r['rows']:>4} {r['scores_ms']:>7.1f} {r['softmax_ms']:>7.1f} "
+          f"{r['values_ms']:>7.1f} {r['product_gflop_per_s']:>15.1f}")
   if a.out:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"model": a.model or "shipped", "rope_scaling": a.rope_scaling,
                                        "dtype": a.dtype, "machine": platform.machine(), "cpus": jax.device_count(),
-                                       "jax": jax.__version__, **floors, "table": table}, indent=1))
+                                       "jax": jax.__version__, **floors, "table": table,
+                                       "attention_stages": parts}, indent=1))
   return 0
 
 
