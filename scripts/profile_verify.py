@@ -122,9 +122,10 @@ def profile(model, contexts, rows, repeats: int) -> list[dict]:
 
 
 def attention_parts(model, contexts, rows, repeats: int) -> list[dict]:
-  """extend_attention's three stages over S cached positions, every layer (ms, medians), next to the FLOP floor of
-  the two products: scores (q k^T, [Hkv, T*G, D] x [Hkv, S, D]), softmax (mask, max, exp, sum over [Hkv, T*G, S]
-  fp32 scores) and values (p v). Where the pass's attention time goes for few rows over a long cache."""
+  """extend_attention's three stages over S cached positions, every layer (ms, medians), with the FLOPs of each of
+  the two products: scores (q k^T, [Hkv, T*G, D] x [Hkv, S, D], plus a max over them so that the product is not
+  dead code), softmax (mask, max, exp, sum over [Hkv, T*G, S] fp32 scores) and values (p v). Where the pass's
+  attention time goes for few rows over a long cache."""
   cfg, n_layers = model.cfg, model.cfg.num_hidden_layers
   hkv, d = cfg.num_key_value_heads, cfg.head_dim
   g = cfg.num_attention_heads // hkv
