@@ -556,6 +556,10 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
           loads.append(os.getloadavg()[0])
           bar.set_postfix_str(f"ctx {ctx} T={temp:g} {m.text} tau {rec['tau']:.2f}", refresh=False)
           bar.update()
+    # No program is reused at another context (the cache shapes differ). Dropping them bounds the process's
+    # memory mappings: a 9-method x 6-context sweep kept every compiled program and LLVM ran out of mappings
+    # ("Cannot allocate memory", then a crash) at Linux's default vm.max_map_count of 65530.
+    jax.clear_caches()
   bar.close()
   run_info.update(loadavg_1min_end=os.getloadavg()[0], wall_s=time.perf_counter() - wall0,
                   loadavg_1min_samples={"min": min(loads), "max": max(loads), "mean": float(np.mean(loads)),

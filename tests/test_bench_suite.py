@@ -3,6 +3,7 @@ shared prefill (a tap-reading drafter gives what `generate` gives), and config e
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -50,9 +51,12 @@ def _config(env, tmp_path, **kw) -> str:
   return str(path)
 
 
-def test_suite_outputs_and_resume(env, tmp_path, capsys):
+def test_suite_outputs_and_resume(env, tmp_path, capsys, monkeypatch):
   out = tmp_path / "out"
+  cleared, clear_caches = [], jax.clear_caches
+  monkeypatch.setattr(jax, "clear_caches", lambda: (cleared.append(1), clear_caches())[1])
   assert main(["bench-suite", "--config", _config(env, tmp_path), "--out", str(out)]) == 0
+  assert len(cleared) == len(CONTEXTS)  # compiled programs dropped after each context (bounded memory mappings)
   res = json.loads((out / "results.json").read_text())
   assert len(res["prompts"]) == 8 and len(res["documents"]) == 4 and res["protocol_met"]
   assert {(c["method"], c["context"]) for c in res["cells"]} == {(m, c) for m in ("ar", "prompt-lookup")
