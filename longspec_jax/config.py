@@ -179,14 +179,18 @@ class ModelConfig:
 
   @classmethod
   def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
-    path = Path(path)
-    if not path.exists():
-      raise FileNotFoundError(f"missing model config {path}")
-    try:
-      d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-      raise ValueError(f"corrupt config file {path}: {e}") from e
-    return cls.from_hf_dict(d)
+    return cls.from_hf_dict(read_config_json(path))
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
+
+
+def read_config_json(path: str | os.PathLike, what: str = "model") -> dict:
+  """A config.json file as a dict; a missing or corrupt file is an error that names it."""
+  path = Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"missing {what} config {path}")
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"corrupt config file {path}: {e}") from e

@@ -129,6 +129,13 @@ def empty_model(build, param_dtype=None):
   return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, param_dtype or a.dtype), abstract))
 
 
+def load_drafter_weights(drafter_dir, build, rename=lambda name: name):
+  """The module `build()` makes, loaded from a drafter directory's safetensors: bare tensor names (the public
+  drafter layout), mapped to ours by `rename`."""
+  tensors = {rename(k): v for k, v in _read_tensors(Path(drafter_dir)).items()}
+  return load_params_into(empty_model(build), tensors, where=f" {drafter_dir}", prefix="")
+
+
 def save_drafter_dir(out_dir, hf_config: dict, tensors: dict[str, np.ndarray], dtype=np.float32) -> Path:
   """config.json (torch_dtype set) + model.safetensors of fp32 HF-named `tensors` cast to `dtype`: the layout of
   the public drafter checkpoints (DFlash, LongSpark)."""

@@ -106,12 +106,11 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x, positions, rope, cache: KVCache | None, layer: int, mode: str, attn_block: int,
-               query_scale=None):
+               sharpdraft=None):
     """Writes this layer's new K/V rows into `cache` (prefill, extend); returns (x, cache, (k, v))."""
     q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
-    if query_scale is not None:
-      # SharpDraft: in every mode a query at position p sees keys 0..p, i.e. p + 1 of them.
-      q = (q * query_scale(layer, positions + 1)[..., None]).astype(q.dtype)
+    if sharpdraft is not None:  # in every mode a query at position p sees keys 0..p, i.e. p + 1 of them
+      q = sharpdraft.scale_queries(layer, q, positions + 1)
     if mode == "train":
       o = causal_attention(q, k, v, block=attn_block)
     elif mode == "prefill":
@@ -162,11 +161,11 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, *, cache: KVCache | None = None, positions=None, mode: str = "train",
                taps: Sequence[int] = (), return_kv: bool = False, logits_at=None, return_logits: bool = True,
-               query_scale=None):
+               sharpdraft=None):
     """tokens [B, T]. `logits_at` [B, P] (indices into T) limits the LM head to those rows.
 
-    `query_scale(layer, num_keys [B, T]) -> [B, T, Hq]` (e.g. `SharpDraft.query_scale`) multiplies every query
-    after q-norm and RoPE; None leaves the attention untouched."""
+    `sharpdraft` (a `longspec_jax.sharpdraft.SharpDraft`, for a standalone drafter) scales every query after q-norm
+    and RoPE by its `scale_queries`; None leaves the attention untouched."""
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "train" and cache is None:
@@ -189,10 +188,10 @@ class Transformer(nnx.Module):
       if li in taps:
         tapped[li] = x
       if self.remat and mode == "train":
-        fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, li, "train", self.attn_block, query_scale)[0])
+        fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, li, "train", self.attn_block, sharpdraft)[0])
         x = fn(layer, x, positions)
       else:
-        x, cache, (k, v) = layer(x, positions, rope, cache, li, mode, self.attn_block, query_scale)
+        x, cache, (k, v) = layer(x, positions, rope, cache, li, mode, self.attn_block, sharpdraft)
         if return_kv:
           new_k.append(k)
           new_v.append(v)

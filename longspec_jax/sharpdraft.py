@@ -15,7 +15,8 @@ Rules: *exact* solves that equation; *fixed-slope* uses rho = 1 + alpha ln(n / n
 at n0 (implicit differentiation of the equation) is alpha = n0 / ((n0 - k) (Delta - sigma^2)).
 
 Calibration (`calibrate`) estimates (Delta, sigma, k) per layer and head from a drafter's own pre-softmax logits
-at n0 keys (`Drafter.attention_logits`), see `query_outliers` and `pooled_stats`.
+at n0 keys (`Drafter.attention_logits`), see `query_outliers` and `pooled_stats`. Drafters apply it through
+`SharpDraft.scale_queries`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longspec_jax.hf_io import weights_sha256
-from longspec_jax.pallas_kernels.query_scaled_attention.reference import sharpdraft_rho
+from longspec_jax.pallas_kernels.length_masked_attention.reference import sharpdraft_rho
 
 from longspec_jax.sharpdraft_names import ALPHA_RULES, CHOICES, GRANULARITIES, RULES, SHARPDRAFT_FILE  # noqa: F401
 FORMAT_VERSION = 1
@@ -129,6 +130,13 @@ class SharpDraft:
     if self.rule == "fixed":
       return sharpdraft_rho(n, jnp.asarray(self.alpha[layer], jnp.float32), self.n0)
     return exact_rho(n, self.n0, self.delta[layer], self.sigma[layer], self.k[layer])
+
+  def scale_queries(self, layer: int, q: jax.Array, num_keys) -> jax.Array:
+    """The SharpDraft hook, the one place queries are scaled (the target model's layers, DFlash, EAGLE-3): q [B, T,
+    Hq, D] after q-norm and RoPE times rho of the keys each query sees, num_keys int broadcast to [B, T]. The
+    product is taken in float32, then cast back to q's dtype."""
+    rho = self.query_scale(layer, jnp.broadcast_to(num_keys, q.shape[:2]))
+    return (q.astype(jnp.float32) * rho[..., None]).astype(q.dtype)
 
 
 def scaled_logits(sharpdraft: SharpDraft | None, layer: int, logits):

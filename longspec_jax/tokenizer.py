@@ -58,6 +58,12 @@ def load_tokenizer(model_dir: str | os.PathLike):
     raise ValueError(f"corrupt tokenizer file {path}: {e}") from e
 
 
+def encode_prompt(tok, text: str, bos_token_id: int | None) -> list[int]:
+  """The token ids of a prompt: `bos_token_id` first when the target has one (ours: the id prepended to every
+  prompt; SmolLM2's vocabulary says to prepend none, so its config has no BOS), then the text."""
+  return ([bos_token_id] if bos_token_id is not None else []) + tok.encode(text).ids
+
+
 def special_token_ids(tok) -> dict[str, int]:
   ids = {name: tok.token_to_id(t) for name, t in (("eos", EOS_TOKEN), ("pad", PAD_TOKEN), ("mask", MASK_TOKEN))}
   return {k: v for k, v in ids.items() if v is not None}

@@ -1,4 +1,4 @@
-"""Pallas kernels for drafter attention: query-scaled (top-k) attention and sparse KV gather.
+"""Pallas kernels for drafter attention: length-masked (or top-k chunk) attention and sparse KV gather.
 
 Each kernel has a jnp reference, a TPU (Mosaic) and a GPU (Triton) kernel, and a dispatcher that picks by
 `jax.default_backend()` and falls back to the reference on CPU (see docs/kernels.md).
@@ -9,11 +9,11 @@ from longspec_jax import check_namespaced
 check_namespaced(__name__)
 
 from longspec_jax.pallas_kernels._common import BlockSizes, check_lowering, num_selected_chunks
-from longspec_jax.pallas_kernels.query_scaled_attention import (
+from longspec_jax.pallas_kernels.length_masked_attention import (
     chunk_positions,
     merge_attention_views,
-    query_scaled_attention,
-    reference_query_scaled_attention,
+    length_masked_attention,
+    reference_length_masked_attention,
     select_chunks,
     sharpdraft_rho,
 )
@@ -31,9 +31,9 @@ __all__ = [
     "gather_kv_chunks",
     "merge_attention_views",
     "num_selected_chunks",
-    "query_scaled_attention",
+    "length_masked_attention",
     "reference_gather_kv_chunks",
-    "reference_query_scaled_attention",
+    "reference_length_masked_attention",
     "reference_sparse_chunk_attention",
     "select_chunks",
     "sharpdraft_rho",

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longspec_jax.pallas_kernels import (gather_kv_chunks, num_selected_chunks, query_scaled_attention,
+from longspec_jax.pallas_kernels import (gather_kv_chunks, length_masked_attention, num_selected_chunks,
                                         sparse_chunk_attention)
 
 KERNELS = ("qsa_dense", "qsa_topk", "gather", "sparse_attn")
@@ -46,7 +46,7 @@ def make_case(n, d, *, batch, q_len, q_heads, kv_heads, budget, chunk, window_ch
 def kernel_fns(c, impl, interpret=False):
   """name -> (function of positional arrays, its arguments). impl "reference" is the jnp path the dispatcher
   falls back to (in top-k/sparse mode it gathers the selected chunks instead of masking every key)."""
-  qsa = functools.partial(query_scaled_attention, impl=impl, interpret=interpret)
+  qsa = functools.partial(length_masked_attention, impl=impl, interpret=interpret)
   gather = functools.partial(gather_kv_chunks, impl=impl, interpret=interpret)
   sparse = functools.partial(sparse_chunk_attention, impl=impl, interpret=interpret)
   topk = dict(top_k=c["top_k"], chunk_size=c["chunk"], window_chunks=c["window_chunks"])

@@ -55,8 +55,8 @@ def load_runs(results_dir: Path, temperature: float = 0.0) -> dict:
 def method_n0(method: str, overrides: dict) -> int | None:
   if method in overrides:
     return overrides[method]
-  from longspec_jax.drafters import ATTENTION_DRAFTERS, SHIPPED_DRAFTERS_DIR
-  meta = SHIPPED_DRAFTERS_DIR / ATTENTION_DRAFTERS.get(method, method) / "drafter.json"
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, drafter_entry
+  meta = SHIPPED_DRAFTERS_DIR / drafter_entry(method).checkpoint / "drafter.json"
   return json.loads(meta.read_text()).get("n0") if meta.exists() else None
 
 

@@ -2,6 +2,9 @@ import os
 
 # Tests run on the host CPU; keep XLA from grabbing every core thread-pool wise for many tiny programs.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI turns JAX's persistent compilation cache on by default; in-process CLI tests must not fill the user's
+# cache (tests/test_cli.py checks the cache itself in subprocesses with their own directory).
+os.environ.setdefault("LONGSPEC_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 import yaml
 
-from longspec_jax.inference.bench_suite import (SuiteConfig, bootstrap_ci, drafter_checkpoint, load_config,
-                                                parse_method, ratio_of_rates, run_suite, select_cuts)
+from longspec_jax.inference.benchmark.config import SuiteConfig, load_config, parse_method
+from longspec_jax.inference.benchmark.prompts import prompt_ids, select_cuts
+from longspec_jax.inference.benchmark.provenance import drafter_checkpoint, load_target
+from longspec_jax.inference.benchmark.statistics import bootstrap_ci, ratio_of_rates
+from longspec_jax.inference.benchmark.suite import run_suite
 from longspec_jax.inference.cli import main
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.hf_io import save_model_dir
@@ -104,7 +107,6 @@ def test_suite_outputs_and_resume(env, tmp_path, capsys, monkeypatch):
 
 def test_shared_prefill_matches_generate(env, tmp_path):
   """A drafter that reads target taps, started from the suite's shared prefill, decodes exactly as generate()."""
-  from longspec_jax.inference.bench_suite import load_target, prompt_ids
   from longspec_jax.inference.generate import generate
   from longspec_jax.drafters import load_drafter
   d, docs = env
@@ -119,7 +121,7 @@ def test_shared_prefill_matches_generate(env, tmp_path):
   cut = res["prompts"][0]
   prompt = prompt_ids(ids[[p.endswith(cut["doc"]) for p in docs].index(True)], cut["end_token"], 64, 0)
   loaded = load_drafter("dflash", model, d / "dflash")
-  want = generate(model, [prompt], max_new_tokens=8, drafter=loaded, num_draft_tokens=3, seed=0)
+  want = generate(model, [prompt], max_new_tokens=8, drafter=loaded, num_draft=3, seed=0)
   rec = next(r for r in recs if r["prompt"] == 0)
   assert rec["tokens"] == want.tokens[0] and rec["tau"] == pytest.approx(want.stats["tau"])
   assert rec["exact_match_ar"] and rec["drafter_state_bytes"] > 0
@@ -192,15 +194,31 @@ def test_drafter_diagnostics_are_recorded(env, tmp_path):
   """A drafter with `diagnostics` (LongSpark: attention mass per view) gets it recorded per prompt and averaged per
   cell; the three view masses of every layer sum to 1."""
   from longspec_jax.drafters.longspark import create_longspark, longspark_config_for, save_longspark_dir
-  from longspec_jax.inference.bench_suite import load_target
   d, _ = env
   model, _, _ = load_target(str(d / "target"))
   save_longspark_dir(create_longspark(longspark_config_for(model.cfg, num_layers=2, raw_window=16), seed=3),
                      tmp_path / "ls")
+  # No num_draft anywhere: the drafter's default K, here LongSpark's block of 7 (a fixed 8 would be refused).
   res = run_suite(load_config(_config(env, tmp_path, methods=[f"longspark:drafter={tmp_path / 'ls'}"], contexts=[64],
-                                      num_prompts=2, min_docs=2)), tmp_path / "out", progress=False)
+                                      num_prompts=2, min_docs=2, num_draft=None)), tmp_path / "out", progress=False)
   (cell,) = res["cells"]
+  assert cell["num_draft"] == 7 and len(cell["accept_per_position"]) == 7
   mass = np.asarray(cell["diagnostics"]["view_mass_global_raw_local"])
   assert mass.shape == (2, 3) and np.allclose(mass.sum(-1), 1.0, atol=1e-3) and (mass > 0).all()
   assert all(len(r["diagnostics"]["view_mass_global_raw_local"]) == 2 for r in res["records"])
   assert "view_mass_global_raw_local" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_plots_are_optional(env, tmp_path, capsys, monkeypatch):
+  """Without matplotlib the sweep still ends well: tables written, one line on stderr, exit 0, no plots."""
+  import sys
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+  out = tmp_path / "out"
+  config = _config(env, tmp_path, methods=["prompt-lookup"], contexts=[48], num_prompts=2, min_docs=2)
+  assert main(["bench-suite", "--config", config, "--out", str(out), "--quiet"]) == 0
+  err = capsys.readouterr().err.strip().splitlines()
+  assert [line for line in err if "matplotlib" in line] == [
+      "bench-suite: plots skipped: matplotlib is not installed (pip install matplotlib)"]
+  assert (out / "results.json").exists() and not list(out.glob("*.png"))
+  md = (out / "results.md").read_text()
+  assert "| prompt-lookup | 0 | 48 | 2 |" in md and "## Plots" not in md

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from longspec_jax.inference.generate import generate
-from longspec_jax.attention import masked_attention
+from longspec_jax.attention import dense_masked_attention
 from longspec_jax.drafters.base import PrefillResult, state_nbytes
 from longspec_jax.drafters.budget import CHUNK, budget_from_model, select_budget_chunks
 from longspec_jax.drafters.standalone import standalone_from_model
@@ -35,14 +35,14 @@ def test_greedy_spec_equals_ar_with_budget(target, small_drafter, keep_recent):
   ar = generate(target, prompts, max_new_tokens=24, eos_id=-1)
   for k in (1, 4):
     d = budget_from_model(small_drafter, budget=40, keep_recent=keep_recent, tail_tokens=16)  # tail wraps
-    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=d, num_draft_tokens=k)
+    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=d, num_draft=k)
     assert sp.tokens == ar.tokens, f"K={k}"
 
 
 def test_self_drafting_with_full_budget_accepts_everything(target):
   # Budget over the prompt = the drafter's full cache: the target drafting for itself is always right.
   d = budget_from_model(target, budget=256, tail_tokens=64)
-  sp = generate(target, _prompts(1, [70]), max_new_tokens=20, eos_id=-1, drafter=d, num_draft_tokens=4)
+  sp = generate(target, _prompts(1, [70]), max_new_tokens=20, eos_id=-1, drafter=d, num_draft=4)
   assert sp.stats["accept_per_position"] == [1.0] * 4
 
 
@@ -157,15 +157,15 @@ def test_training_forward_equals_inference_forward(keep_recent):
   assert np.abs(np.asarray(full - sparse)).max() > 1e-3  # the budget does drop keys here
 
 
-def test_masked_attention_per_kv_head_mask():
+def test_dense_masked_attention_per_kv_head_mask():
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
   k = jnp.asarray(rng.standard_normal((2, 10, 2, 8)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((2, 10, 2, 8)), jnp.float32)
   vis = jnp.asarray(rng.random((2, 2, 3, 10)) < 0.6).at[..., 0].set(True)
-  out = masked_attention(q, k, v, vis)
+  out = dense_masked_attention(q, k, v, vis)
   for h in range(2):  # KV head h serves q heads 2h, 2h+1
-    ref = masked_attention(q[:, :, 2 * h:2 * h + 2], k[:, :, h:h + 1], v[:, :, h:h + 1], vis[:, h])
+    ref = dense_masked_attention(q[:, :, 2 * h:2 * h + 2], k[:, :, h:h + 1], v[:, :, h:h + 1], vis[:, h])
     np.testing.assert_allclose(out[:, :, 2 * h:2 * h + 2], ref, atol=1e-6)
 
 

@@ -36,10 +36,76 @@ def test_generate_json_contract(model_dir, tmp_path, capsys):
   assert len(res["output_tokens"]) == 12 and res["prefill_ms"] > 0 and res["decode_tokens_per_s"] > 0
   captured = capsys.readouterr()
   assert res["text"] in captured.out
-  assert "loading the target" in captured.err and "the first call compiles" in captured.err  # progress
+  assert "loading the target" in captured.err and "compiling (or loading from the cache)" in captured.err
   assert main(["generate", "--model", str(model_dir), "--prompt", "def f", "--max-new-tokens", "3",
                "--max-prompt-tokens", "2", "--quiet", "--json", str(out)]) == 0
   assert capsys.readouterr().err == "" and len(json.loads(out.read_text())["prompt_tokens"]) == 2
+
+
+def test_generate_speculative_compare_ar(model_dir, tmp_path, capsys):
+  out = tmp_path / "spec.json"
+  assert main(["generate", "--model", str(model_dir), "--prompt", TEXT[:400], "--max-new-tokens", "24",
+               "--method", "prompt-lookup", "--num-draft", "4", "--compare-ar", "--json", str(out)]) == 0
+  res = json.loads(out.read_text())
+  assert res["method"] == "prompt-lookup" and res["num_draft_tokens"] == 4
+  assert res["exact_match_ar"] is True and len(res["output_tokens"]) == 24
+  assert res["ar_tokens_per_s"] > 0 and res["tokens_per_s"] > 0
+  assert res["speedup"] == pytest.approx(res["tokens_per_s"] / res["ar_tokens_per_s"])
+  assert 1.0 <= res["tau"] <= 5.0
+  captured = capsys.readouterr()
+  assert res["text"] in captured.out  # streamed
+  assert "speedup" in captured.err and "tokens equal to AR's" in captured.err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-k", "5"], "with --temperature 0 (greedy) they would be ignored"),
+    (["--top-p", "0.5"], "with --temperature 0 (greedy) they would be ignored"),
+    (["--num-draft", "4"], "--num-draft applies to speculative methods"),
+    (["--method", "prompt-lookup", "--budget", "64"], "--budget applies to budget"),
+    (["--method", "prompt-lookup", "--sharpdraft", "fixed"], "has none"),
+    (["--compare-ar"], "--method ar is AR already"),
+])
+def test_generate_refuses_flags_the_mode_ignores(model_dir, capsys, flags, message):
+  assert main(["generate", "--model", str(model_dir), "--prompt", "def f", *flags]) == 2
+  err = capsys.readouterr().err
+  assert message in err and "loading the target" not in err  # refused before the model loads
+
+
+def test_generate_binary_prompt_file(model_dir, tmp_path, capsys):
+  binary = tmp_path / "blob.bin"
+  binary.write_bytes(bytes(range(256)) * 4)
+  assert main(["generate", "--model", str(model_dir), "--prompt-file", str(binary)]) == 2
+  assert f"prompt file {binary} is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_compile_cache_second_run_compiles_nothing(model_dir, tmp_path):
+  """Two processes, one cache directory: the second loads every program instead of compiling it."""
+  import os
+  import subprocess
+  import sys
+  runs = []
+  for i in range(2):
+    out = tmp_path / f"run{i}.json"
+    subprocess.run([sys.executable, "-m", "longspec_jax.inference.cli", "generate", "--model", str(model_dir),
+                    "--prompt", "def f", "--max-new-tokens", "8", "--method", "prompt-lookup", "--quiet",
+                    "--compile-cache", str(tmp_path / "cache"), "--json", str(out)],
+                   check=True, env={**os.environ, "LONGSPEC_COMPILE_CACHE": "off"}, capture_output=True)
+    runs.append(json.loads(out.read_text()))
+  assert runs[0]["programs_compiled"] >= 2
+  assert runs[1]["programs_compiled"] == 0 and runs[1]["programs_from_cache"] >= 2
+  assert runs[1]["output_tokens"] == runs[0]["output_tokens"]
+  assert any((tmp_path / "cache").iterdir())
+
+
+def test_compile_cache_dir_choice(tmp_path, monkeypatch):
+  from longspec_jax.compile_cache import compile_cache_dir
+  monkeypatch.setenv("LONGSPEC_COMPILE_CACHE", str(tmp_path / "env"))
+  assert compile_cache_dir() == tmp_path / "env"
+  assert compile_cache_dir(str(tmp_path / "flag")) == tmp_path / "flag"  # the flag wins
+  assert compile_cache_dir("off") is None
+  monkeypatch.delenv("LONGSPEC_COMPILE_CACHE")
+  monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "targets"))
+  assert compile_cache_dir() == tmp_path / "targets" / "jax_cache"
 
 
 def test_generate_errors(model_dir, capsys):

@@ -15,7 +15,8 @@ from longspec_jax.drafters.base import PrefillResult, ProposeContext
 from longspec_jax.drafters.dels import (DeLSConfig, combine, decode_block, dels_from_head, head_shapes, load_dels,
                                         load_public_dels, load_public_local_head, local_block_logits, save_dels_dir,
                                         unigram_log_prior)
-from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, dflash_from_model, save_dflash_dir, target_io
+from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, dflash_from_model, save_dflash_dir
+from longspec_jax.drafters.frozen_target import target_io
 from longspec_jax.sampling import SamplingParams, processed_log_probs
 from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample, peaky_target,
                                     target)  # noqa: F401  (fixtures)
@@ -68,7 +69,7 @@ def test_greedy_dels_equals_ar(target, gru_start, batch, lengths):
   prompts = _prompts(batch, lengths)
   ar = generate(target, prompts, max_new_tokens=20, eos_id=-1)
   for k in ((1, BLOCK - 1) if batch == 1 else (BLOCK - 1,)):
-    sp = generate(target, prompts, max_new_tokens=20, eos_id=-1, drafter=d, num_draft_tokens=k)
+    sp = generate(target, prompts, max_new_tokens=20, eos_id=-1, drafter=d, num_draft=k)
     assert sp.tokens == ar.tokens, f"K={k}"
 
 
@@ -199,12 +200,12 @@ def test_checkpoint_round_trip_and_bad_input(target, tmp_path):
     want = x if k == "log_prior" else np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(d.params["head"][k]), want)
   prompts = _prompts(1, [21])
-  assert generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=d, num_draft_tokens=4).tokens == \
+  assert generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=d, num_draft=4).tokens == \
       generate(target, prompts, max_new_tokens=12, eos_id=-1).tokens
   with pytest.raises(ValueError, match="exceeds the 4 positions"):
     cfg.mix_weights(5)
-  with pytest.raises(ValueError, match="outside \\[1, 4\\]"):
-    generate(target, prompts, max_new_tokens=4, drafter=d, num_draft_tokens=5)
+  with pytest.raises(ValueError, match="at most 4 tokens per step"):  # DeLS declares its base's block limit
+    generate(target, prompts, max_new_tokens=4, drafter=d, num_draft=5)
   with pytest.raises(ValueError, match="vocabulary"):
     dels_from_head(dflash_from_model(_dflash_model(target), target), _cfg(vocab=V + 1), _head(_cfg(vocab=V + 1)))
   bad = dict(head, w_hh=head["w_hh"][:, :-1])
@@ -249,7 +250,7 @@ def test_train_dels_tunes_exports_and_resumes(env, tmp_path):  # noqa: F811
   assert (final / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
   d = load_dels(final, target)
   prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
-  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft_tokens=3).tokens == \
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft=3).tokens == \
       generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
 
 

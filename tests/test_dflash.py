@@ -12,9 +12,9 @@ from safetensors.numpy import save_file
 
 from longspec_jax.inference.generate import generate
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
-from longspec_jax.drafters.dflash import (DFlashConfig, create_dflash, default_target_layer_ids,
-                                          dflash_config_for, dflash_from_model, load_dflash, save_dflash_dir,
-                                          target_io)
+from longspec_jax.drafters.dflash import (DFlashConfig, create_dflash, dflash_config_for, dflash_from_model,
+                                          load_dflash, save_dflash_dir)
+from longspec_jax.drafters.frozen_target import default_target_layer_ids, target_io
 from longspec_jax.model import create_model
 from longspec_jax.sampling import SamplingParams
 from tests.test_speculative import (N_POS, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts, _sample,
@@ -46,7 +46,7 @@ def test_greedy_dflash_equals_ar(target, dflash, batch, lengths):
   prompts = _prompts(batch, lengths)
   ar = generate(target, prompts, max_new_tokens=24, eos_id=-1)
   for k in (1, BLOCK - 1):
-    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=dflash, num_draft_tokens=k)
+    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=dflash, num_draft=k)
     assert sp.tokens == ar.tokens, f"K={k}"
 
 
@@ -155,7 +155,7 @@ def test_loads_public_dflash_layout_and_round_trips(target, tmp_path):
   prompts = _prompts(2, [7, 33])
   ar = generate(target, prompts, max_new_tokens=10, eos_id=-1).tokens
   assert generate(target, prompts, max_new_tokens=10, eos_id=-1, drafter=loaded,
-                  num_draft_tokens=3).tokens == ar
+                  num_draft=3).tokens == ar
   # Our export writes the same layout back; reloading gives the same drafts.
   save_dflash_dir(m, tmp_path / "ours")
   again = load_dflash(tmp_path / "ours", target)
@@ -190,8 +190,8 @@ def test_bad_checkpoints_and_targets(target, tmp_path):
   with pytest.raises(FileNotFoundError, match="model.safetensors"):
     load_dflash(tmp_path / "ok", target)
   d = dflash_from_model(_dflash(target), target)
-  with pytest.raises(ValueError, match="outside \\[1, 4\\]"):
-    generate(target, [[3, 4, 5]], max_new_tokens=4, drafter=d, num_draft_tokens=5)
+  with pytest.raises(ValueError, match="proposes at most 4 tokens per step"):
+    generate(target, [[3, 4, 5]], max_new_tokens=4, drafter=d, num_draft=5)
 
 
 def test_train_dflash_exports_and_resumes_exactly(env, tmp_path):  # noqa: F811
@@ -225,7 +225,7 @@ def test_train_dflash_exports_and_resumes_exactly(env, tmp_path):  # noqa: F811
   target = load_model_dir(tmp / "target")
   d = load_dflash(final, target)
   prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
-  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft_tokens=3).tokens == \
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft=3).tokens == \
       generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
 
 

@@ -22,6 +22,7 @@ from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResu
 from longspec_jax.drafters.eagle3 import (create_eagle3_net, default_aux_layers, drafter_config, eagle3_from_net,
                                           load_eagle3, run_cached)
 from longspec_jax.sampling import SamplingParams
+from longspec_jax.sharpdraft import SharpDraft
 from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample,  # noqa: F401
                                     peaky_target, target)
 from longspec_jax.training.train_eagle3 import ttt_forward
@@ -45,7 +46,7 @@ def test_greedy_spec_equals_ar(target, eagle, batch, lengths):
   prompts = _prompts(batch, lengths)
   ar = generate(target, prompts, max_new_tokens=24, eos_id=-1)
   for k in (1, 4):
-    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=eagle, num_draft_tokens=k)
+    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=eagle, num_draft=k)
     assert sp.tokens == ar.tokens, f"K={k}"
 
 
@@ -186,6 +187,8 @@ class _LogScale:
     s = self.factor * (1 + 0.2 * jnp.log(num_keys.astype(jnp.float32)))
     return jnp.broadcast_to(s[..., None], num_keys.shape + (self.heads,))
 
+  scale_queries = SharpDraft.scale_queries  # the real hook, over this stand-in's query_scale
+
 
 @pytest.mark.parametrize("factor", [None, 1.5])
 def test_attention_logits_and_query_scale(target, eagle, factor):
@@ -292,7 +295,7 @@ def test_load_public_layout(target, tmp_path):
   direct = eagle3_from_net(net, target, (1, 1, 0), d2t=tensors["d2t"])
   ar_prompts = _prompts(1, [5])  # the AR program of test_greedy_spec_equals_ar is reused
   ar = generate(target, ar_prompts, max_new_tokens=24, eos_id=-1)
-  assert generate(target, ar_prompts, max_new_tokens=24, eos_id=-1, drafter=loaded, num_draft_tokens=3).tokens \
+  assert generate(target, ar_prompts, max_new_tokens=24, eos_id=-1, drafter=loaded, num_draft=3).tokens \
       == ar.tokens
   prompts = _prompts(2, [9, 30], seed=4)
   state, buf, _ = _prefill(target, loaded.spec, loaded.params, prompts, [5, 6])
@@ -322,7 +325,7 @@ def test_load_bad_checkpoints(target, tmp_path, overrides, match):
 
 
 def test_load_missing(target, tmp_path):
-  with pytest.raises(FileNotFoundError, match="no EAGLE-3 config.json"):
+  with pytest.raises(FileNotFoundError, match="missing EAGLE-3 config"):
     load_eagle3(tmp_path, target)
   _write_public(tmp_path / "e3", target.cfg)
   (tmp_path / "e3" / "model.safetensors").unlink()
@@ -413,5 +416,5 @@ def test_train_eagle3_sharded_resumes_exactly_and_exports(train_env, tmp_path):
   drafter = load_eagle3(final, target)
   prompts = [[5, 9, 5, 9, 5, 9, 5], [7, 8, 9, 7, 8, 9]]
   ar = generate(target, prompts, max_new_tokens=12, eos_id=-1)
-  assert generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=drafter, num_draft_tokens=3).tokens == \
+  assert generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=drafter, num_draft=3).tokens == \
       ar.tokens

@@ -145,7 +145,7 @@ def test_dflash_and_eagle3_train_from_the_cache(env, tmp_path):  # noqa: F811
   prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
   ar = generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
   assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=load_dflash(final, target),
-                  num_draft_tokens=3).tokens == ar
+                  num_draft=3).tokens == ar
 
   ecfg = from_dict(Eagle3TrainConfig, dict(
       data_dirs=[str(data)], out_dir=str(tmp_path / "eagle3"), aux_layers=[2, 1, 2], draft_vocab_size=64,
@@ -160,7 +160,7 @@ def test_dflash_and_eagle3_train_from_the_cache(env, tmp_path):  # noqa: F811
   t = load_file(str(final / "model.safetensors"))
   assert t["lm_head.weight"].shape == (64, 32) and t["t2d"].sum() == 64
   assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=load_eagle3(final, target),
-                  num_draft_tokens=3).tokens == ar
+                  num_draft=3).tokens == ar
 
 
 def test_draft_vocabulary_is_the_most_frequent_tokens():
@@ -177,8 +177,10 @@ def test_draft_vocabulary_is_the_most_frequent_tokens():
 def test_dflash_tap_scale_folds_into_fc(env):  # noqa: F811
   """normalize_taps trains on taps * scale; folding the scale into fc gives the same logits from raw taps, so the
   exported drafter (public layout) reads the target's taps unchanged."""
-  from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, target_io
-  from longspec_jax.training.train_dflash import dflash_train_logits, fold_input_scale
+  from longspec_jax.drafters.dflash import create_dflash, dflash_config_for
+  from longspec_jax.drafters.frozen_target import target_io
+  from longspec_jax.training.drafter_common import fold_input_scale
+  from longspec_jax.training.train_dflash import dflash_train_logits
   tmp, _ = env
   target = _target(tmp)
   dcfg = dflash_config_for(target.cfg, num_layers=1, num_target_taps=2, block_size=4)

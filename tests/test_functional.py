@@ -13,8 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from longspec_jax.inference.functional import (GenerationOutput, generate_arrays, output_stats, output_tokens,
-                                  prepare_generation)
+from longspec_jax.inference.engine import GenerationOutput, generate_arrays, output_stats, output_tokens, prepare
 from longspec_jax.inference.generate import generate
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.drafters.standalone import standalone_from_model
@@ -64,7 +63,7 @@ def test_user_jit_twice_one_compile_ar(target):
   calls = [(_prompts([7, 20], 0), dict()), (_prompts([30, 3], 1), dict(temperature=0.8, top_p=0.9, seed=5))]
   counts = []
   for prompts, sampling in calls:
-    config, params, inputs = prepare_generation(target, prompts, **kw, **sampling)
+    config, params, inputs = prepare(target, prompts, **kw, **sampling)
     out, *count = _call_counting(gen, config, params, inputs)
     counts.append(tuple(count))
     assert output_tokens(out, inputs) == generate(target, prompts, **kw, **sampling).tokens
@@ -74,12 +73,12 @@ def test_user_jit_twice_one_compile_ar(target):
 
 def test_user_jit_twice_one_compile_speculative(target, drafter):
   gen = jax.jit(generate_arrays, static_argnums=0, compiler_options=COMPILER_OPTIONS)
-  kw = dict(max_new_tokens=16, eos_id=-1, drafter=drafter, num_draft_tokens=3)
+  kw = dict(max_new_tokens=16, eos_id=-1, drafter=drafter, num_draft=3)
   counts = []
   # Greedy twice, then sampled twice: sampling verification is another program (static `sample`).
   for seed, lengths, temperature in ((0, [10, 25], 0.0), (1, [40, 6], 0.0), (2, [12, 30], 0.9), (3, [5, 50], 0.9)):
     prompts = _prompts(lengths, seed)
-    config, params, inputs = prepare_generation(target, prompts, **kw, temperature=temperature, seed=seed)
+    config, params, inputs = prepare(target, prompts, **kw, temperature=temperature, seed=seed)
     out, *count = _call_counting(gen, config, params, inputs)
     counts.append(tuple(count))
     ref = generate(target, prompts, **kw, temperature=temperature, seed=seed)
@@ -91,8 +90,8 @@ def test_user_jit_twice_one_compile_speculative(target, drafter):
 
 
 def test_export_and_call(target, drafter):
-  for kw in (dict(), dict(drafter=drafter, num_draft_tokens=3)):
-    config, params, inputs = prepare_generation(target, _prompts([9, 17], 3), max_new_tokens=10, eos_id=-1, **kw)
+  for kw in (dict(), dict(drafter=drafter, num_draft=3)):
+    config, params, inputs = prepare(target, _prompts([9, 17], 3), max_new_tokens=10, eos_id=-1, **kw)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, inputs))
     exp = jax.export.export(jax.jit(functools.partial(generate_arrays, config)))(*shapes)
     assert "while" in exp.mlir_module()
@@ -105,7 +104,8 @@ def test_export_and_call(target, drafter):
 SHARDED_SCRIPT = textwrap.dedent("""
   import json
   import jax, numpy as np
-  from longspec_jax.inference.functional import output_tokens, place_generation, prepare_generation
+  from longspec_jax.inference.engine import output_tokens, prepare
+  from longspec_jax.inference.functional import place_generation
   from longspec_jax.inference.generate import generate
   from longspec_jax import sharding as shd
   from longspec_jax.drafters.standalone import standalone_from_model
@@ -119,11 +119,11 @@ SHARDED_SCRIPT = textwrap.dedent("""
   for mesh_shape, rules, rules_name in (((8, 1), shd.DATA_PARALLEL_RULES, "data-parallel"),
                                         ((4, 2), shd.TENSOR_PARALLEL_RULES, "tensor-parallel")):
     mesh = shd.make_mesh(*mesh_shape)
-    for method, kw in (("ar", {}), ("pard", dict(drafter=drafter, num_draft_tokens=3))):
+    for method, kw in (("ar", {}), ("pard", dict(drafter=drafter, num_draft=3))):
       fns, same = {}, []
       for seed in (0, 1):
         prompts = _prompts([5, 9, 30, 14, 22, 7, 40, 11], seed)
-        config, params, inputs = prepare_generation(target, prompts, max_new_tokens=12, eos_id=-1, **kw)
+        config, params, inputs = prepare(target, prompts, max_new_tokens=12, eos_id=-1, **kw)
         fn, params, inputs = place_generation(mesh, config, params, inputs, rules)
         fn = fns.setdefault(config, fn)  # the second call reuses the first call's jitted function
         out = fn(params, inputs)

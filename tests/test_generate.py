@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longspec_jax.inference.generate import ar_decode_program, ar_prefill_program, bucket, generate
+from longspec_jax.inference.engine import bucket, decode_program, prefill_program
+from longspec_jax.inference.generate import generate
 
 
 def naive_greedy(model, prompt, n, width=64):
@@ -51,7 +52,7 @@ def test_sampling_is_seeded_and_respects_top_k(tiny_model):
 
 
 def _compiled_programs():
-  return ar_prefill_program._cache_size() + ar_decode_program._cache_size()
+  return prefill_program._cache_size() + decode_program._cache_size()
 
 
 def test_no_recompile_within_bucket(tiny_model):

@@ -15,11 +15,11 @@ from longspec_jax.pallas_kernels import (
     gather_kv_chunks,
     num_selected_chunks,
     reference_gather_kv_chunks,
-    reference_query_scaled_attention,
+    reference_length_masked_attention,
     reference_sparse_chunk_attention,
     sparse_chunk_attention,
 )
-from longspec_jax.pallas_kernels.query_scaled_attention.reference import masked_attention
+from longspec_jax.pallas_kernels.length_masked_attention.reference import key_masked_attention
 
 SD = jax.ShapeDtypeStruct
 INTERPRET = {"tpu": pltpu.InterpretParams(), "gpu": True}
@@ -135,7 +135,7 @@ def test_reference_sparse_attention_equals_masking_the_full_cache():
   s, c = k.shape[1], opts["chunk_size"]
   in_sel = jnp.any(idx[..., None] == (jnp.arange(s) // c), axis=2) & (jnp.arange(s) < lengths[:, None, None])
   scale = jnp.broadcast_to(opts["rho"], (2, 4)) * q.shape[-1] ** -0.5
-  mout, mlse = jit_call(masked_attention, q, k, v, in_sel, scale)
+  mout, mlse = jit_call(key_masked_attention, q, k, v, in_sel, scale)
   assert max_err(out, mout) < 1e-5 and max_err(lse, mlse) < 1e-5
 
 
@@ -146,7 +146,7 @@ def test_fused_equals_attention_over_the_gathered_buffer():
   pos = chunk_positions(idx, 8)
   n_vis = jnp.sum((pos >= 0) & (pos < lengths[:, None, None]), axis=-1)  # [B, Hkv]
   rho = jnp.maximum(1.0, 1.0 + 0.6 * jnp.log(jnp.repeat(n_vis, 4, axis=1) / 8.0))
-  gout, glse = jit_call(masked_attention, q, k_sel, v_sel, (pos >= 0) & (pos < lengths[:, None, None]),
+  gout, glse = jit_call(key_masked_attention, q, k_sel, v_sel, (pos >= 0) & (pos < lengths[:, None, None]),
                         rho * q.shape[-1] ** -0.5)
   assert max_err(out, gout) < 1e-5 and max_err(lse, glse) < 1e-5
 
@@ -155,7 +155,7 @@ def test_full_selection_equals_dense_attention():
   (q, k, v, lengths, _), _ = attn_args("gqa1_c8_rho1")
   every_chunk = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 2, 16))
   out, lse = jit_call(sparse_chunk_attention, q, k, v, lengths, every_chunk, chunk_size=8, impl="reference")
-  dout, dlse = jit_call(reference_query_scaled_attention, q, k, v, lengths)
+  dout, dlse = jit_call(reference_length_masked_attention, q, k, v, lengths)
   assert max_err(out, dout) < 1e-5 and max_err(lse, dlse) < 1e-5
 
 

@@ -16,7 +16,8 @@ from safetensors.numpy import save_file
 from longspec_jax.inference.generate import generate
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult, state_nbytes
 from longspec_jax.drafters.longspark import (create_longspark, load_longspark, longspark_config_for,
-                                             longspark_from_model, longspark_io, merge_rows, save_longspark_dir)
+                                             longspark_from_model, merge_rows, save_longspark_dir)
+from longspec_jax.drafters.frozen_target import target_io
 from longspec_jax.model import create_model, default_target_config
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.verify import verify_greedy
@@ -76,7 +77,7 @@ def test_greedy_longspark_equals_ar(target, longspark, batch, lengths):
   prompts = _prompts(batch, lengths)
   ar = generate(target, prompts, max_new_tokens=24, eos_id=-1)
   for k in (1, 7):
-    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=longspark, num_draft_tokens=k)
+    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=longspark, num_draft=k)
     assert sp.tokens == ar.tokens, f"K={k}"
 
 
@@ -97,7 +98,7 @@ def test_longspark_sampling_matches_target_distribution(peaky_target, markov_ran
 def _step_by_step(target_model, drafter, prompts, steps, k):
   """The engine's draft -> verify -> commit loop, unrolled in Python so each state can be inspected. Yields
   (state after update, target cache, committed lengths)."""
-  from longspec_jax.inference.generate import pad_prompts
+  from longspec_jax.inference.engine import pad_prompts
   spec, params = drafter.spec, drafter.params
   tokens, lens = pad_prompts(prompts, 1, max(map(len, prompts)))
   tokens, lens = jnp.asarray(tokens), jnp.asarray(lens)
@@ -218,7 +219,7 @@ def test_training_forward_matches_inference(target, pre_len):
   boundary = jnp.take_along_axis(out.taps, (anchors - 1)[..., None, None], axis=1)
   nxt = anchors[..., None] + jnp.arange(bs)
   prev = jnp.take_along_axis(toks[:, None, :], jnp.minimum(nxt, t - 1), axis=2)
-  train_logits = longspark_train_logits(m, longspark_io(target), boundary, anchors, g_out, k, v, pos, prev)
+  train_logits = longspark_train_logits(m, target_io(target, final_norm=True), boundary, anchors, g_out, k, v, pos, prev)
   init, block = jax.jit(d.spec.init_state, static_argnums=2), jax.jit(d.spec.block_logits)  # one compile each
   for j in range(anchors.shape[1]):
     a = anchors[:, j]
@@ -282,7 +283,7 @@ def test_loads_public_longspark_layout_and_round_trips(target, tmp_path):
                                 bf16(tensors["parallel_markov_head.markov_w2.weight"]).T)
   prompts = _prompts(2, [7, 33])
   ar = generate(target, prompts, max_new_tokens=10, eos_id=-1).tokens
-  assert generate(target, prompts, max_new_tokens=10, eos_id=-1, drafter=loaded, num_draft_tokens=7).tokens == ar
+  assert generate(target, prompts, max_new_tokens=10, eos_id=-1, drafter=loaded, num_draft=7).tokens == ar
   # Our export writes the same names and shapes back; reloading gives identical parameters.
   save_longspark_dir(m, tmp_path / "ours")
   from safetensors.numpy import load_file
@@ -313,8 +314,8 @@ def test_bad_checkpoints_targets_and_k(target, tmp_path):
   with pytest.raises(ValueError, match="shape mismatches.*markov"):
     load_longspark(tmp_path / "ok", target)
   d = longspark_from_model(_longspark(target), target)
-  with pytest.raises(ValueError, match="outside \\[1, 7\\]"):
-    generate(target, [[3, 4, 5]], max_new_tokens=4, drafter=d, num_draft_tokens=8)
+  with pytest.raises(ValueError, match="proposes at most 7 tokens per step"):
+    generate(target, [[3, 4, 5]], max_new_tokens=4, drafter=d, num_draft=8)
   # Callers that give no K (`longspec bench` without --num-draft) get the block limit, not the rejected 8.
   from longspec_jax.drafters.base import default_num_draft
   assert default_num_draft(d.spec) == 7
@@ -349,7 +350,7 @@ def test_train_longspark_exports_and_resumes_exactly(env, tmp_path):  # noqa: F8
   target = load_model_dir(tmp / "target")
   d = load_longspark(final, target)
   prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
-  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft_tokens=7).tokens == \
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=d, num_draft=7).tokens == \
       generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
 
 
@@ -373,12 +374,12 @@ def test_position_shift_is_the_same_text_at_later_positions(target):
 def test_boundary_scale_folds_into_the_state_encoder(target):
   """normalize_boundary trains on boundary taps * scale; folding the scale into the state encoder's first linear
   gives the same block input from raw taps, so the exported drafter reads the target's taps unchanged."""
-  from longspec_jax.training.train_dflash import fold_input_scale
+  from longspec_jax.training.drafter_common import fold_input_scale
   m = nnx.merge(*nnx.split(_longspark(target, seed=2)))
   rng = np.random.default_rng(0)
   boundary = jnp.asarray(rng.normal(0, 30, (3, 2, target.cfg.hidden_size)), jnp.float32)  # [B, L, H]
   scale = rng.uniform(0.01, 3.0, boundary.shape[1:]).astype(np.float32)
-  pending, io = jnp.asarray([4, 9, 17], jnp.int32), longspark_io(target)
+  pending, io = jnp.asarray([4, 9, 17], jnp.int32), target_io(target, final_norm=True)
   scaled = m.block_input(io, pending, boundary * scale)
   fold_input_scale(m.draft_state_encoder.proj.fc_in, scale)
   np.testing.assert_allclose(np.asarray(m.block_input(io, pending, boundary)), np.asarray(scaled),
@@ -400,7 +401,7 @@ def test_target_without_mask_token_and_with_yarn(target):
   assert d.spec.cfg.arch.rope == yarn_target.cfg.rope != model.cfg.arch.rope
   assert nnx.merge(d.spec.graphdef, d.params["drafter"]).cfg.arch.rope == yarn_target.cfg.rope
   prompts = _prompts(2, [9, 30])
-  assert generate(yarn_target, prompts, max_new_tokens=10, eos_id=-1, drafter=d, num_draft_tokens=7).tokens == \
+  assert generate(yarn_target, prompts, max_new_tokens=10, eos_id=-1, drafter=d, num_draft=7).tokens == \
       generate(yarn_target, prompts, max_new_tokens=10, eos_id=-1).tokens
 
 

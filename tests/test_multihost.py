@@ -112,13 +112,13 @@ def test_each_process_builds_only_its_rows():
   draw is made for the whole batch), so splitting a batch over processes does not change it."""
   from longspec_jax.training.data import TokenStream
   from longspec_jax.training.train_dflash import BlockSampler, DFlashTrainConfig
-  from longspec_jax.training.train_drafter import DrafterTrainConfig, WindowSampler
+  from longspec_jax.training.train_pard import PardTrainConfig, WindowSampler
   from longspec_jax.training.train_eagle3 import Windows
 
   rows = [list(range(3, 3 + n)) for n in (5, 9, 30, 40, 12, 17)]
   stream = TokenStream(np.arange(500), 1)
   samplers = {
-      "pard": WindowSampler(rows, DrafterTrainConfig(context_len=16, num_masks=3, anchors_per_window=4), 0, 1).batch,
+      "pard": WindowSampler(rows, PardTrainConfig(context_len=16, num_masks=3, anchors_per_window=4), 0, 1).batch,
       "dflash": BlockSampler([(r, 3) for r in rows], DFlashTrainConfig(context_len=16, block_size=4,
                                                                        anchors_per_window=3), 0, 1).batch,
       "eagle3": Windows(rows, 16, 0, 1).batch,
@@ -138,7 +138,8 @@ import json, sys
 from longspec_jax.distributed import host_values, initialize, is_main_process
 initialize(sys.argv[1], 2, int(sys.argv[2]))
 import jax
-from longspec_jax.inference.functional import output_stats, output_tokens, place_generation, prepare_generation
+from longspec_jax.inference.engine import output_stats, output_tokens, prepare
+from longspec_jax.inference.functional import place_generation
 from longspec_jax import sharding as shd
 from longspec_jax.drafters.standalone import standalone_from_model
 from longspec_jax.model import create_model
@@ -149,8 +150,8 @@ target = create_model(_cfg(), seed=0)
 drafter = standalone_from_model(create_model(_cfg(layers=1), seed=7), "pard")
 mesh = shd.make_mesh(2, 1)  # the batch split over the two processes' devices
 res = {}
-for method, kw in (("ar", {}), ("pard", dict(drafter=drafter, num_draft_tokens=3))):
-  config, params, inputs = prepare_generation(target, _prompts([5, 30, 14, 22], 0), max_new_tokens=12, eos_id=-1,
+for method, kw in (("ar", {}), ("pard", dict(drafter=drafter, num_draft=3))):
+  config, params, inputs = prepare(target, _prompts([5, 30, 14, 22], 0), max_new_tokens=12, eos_id=-1,
                                               **kw)
   fn, placed_params, placed_inputs = place_generation(mesh, config, params, inputs)
   out = host_values(fn(placed_params, placed_inputs))  # every process gathers the global output
@@ -181,7 +182,7 @@ def test_two_process_generate_equals_single_process():
   drafter = standalone_from_model(create_model(_cfg(layers=1), seed=7), "pard")
   prompts = _prompts([5, 30, 14, 22], 0)
   ar = generate(target, prompts, max_new_tokens=12, eos_id=-1)
-  spec = generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=drafter, num_draft_tokens=3)
+  spec = generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=drafter, num_draft=3)
   print(f"two processes: AR tokens == single-process AR: {results[0]['ar'] == ar.tokens}; speculative tokens == "
         f"single-process: {results[0]['pard'] == spec.tokens}; tau {results[0]['tau']:.3f} vs {spec.stats['tau']:.3f}")
   assert results[0]["ar"] == ar.tokens and results[0]["pard"] == spec.tokens == ar.tokens

@@ -24,7 +24,7 @@ from longspec_jax.training.data import TokenStream
 model = load_target()
 ar = generate(model, [[model.cfg.bos_token_id, 5, 6, 7, 5, 6]], max_new_tokens=6)
 spec = generate(model, [[model.cfg.bos_token_id, 5, 6, 7, 5, 6]], max_new_tokens=6,
-                drafter=load_drafter("prompt-lookup", model), num_draft_tokens=3)
+                drafter=load_drafter("prompt-lookup", model), num_draft=3)
 assert spec.tokens == ar.tokens and len(ar.tokens[0]) == 6, (ar.tokens, spec.tokens)
 print("USER", training.data.__file__, inference.__file__, pallas_kernels.__file__)
 print("OURS", TokenStream.__module__, generate.__module__)

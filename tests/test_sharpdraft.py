@@ -40,14 +40,14 @@ def _sharp(rule, layers=1, heads=4):
                                np.asarray(k)[:, :heads])
 
 
-def _hidden(model, tokens, query_scale=None, prefill=False):
+def _hidden(model, tokens, sharpdraft=None, prefill=False):
   """Final hidden states [B, T, H] of a jitted forward (train mode, or prefill into a fresh cache)."""
   graphdef, params = nnx.split(model)
 
   def fwd(p, t):
     m = nnx.merge(graphdef, p)
     cache = m.init_cache(t.shape[0], 128) if prefill else None
-    return m(t, cache=cache, mode="prefill" if prefill else "train", query_scale=query_scale).hidden
+    return m(t, cache=cache, mode="prefill" if prefill else "train", sharpdraft=sharpdraft).hidden
   return np.asarray(jax.jit(fwd)(params, jnp.asarray(tokens)))
 
 
@@ -178,13 +178,23 @@ def test_attention_logits_are_the_logits_attention_uses(small):
   np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
+class _Constant:
+  """A SharpDraft stand-in whose scale is `rho` for every query, applied by the real hook."""
+
+  def __init__(self, rho):
+    self.rho = rho
+
+  def query_scale(self, layer, num_keys):
+    return jnp.full(num_keys.shape + (4,), self.rho, jnp.float32)
+
+  scale_queries = SharpDraft.scale_queries
+
+
 def test_default_hook_is_bit_identical(small):
   tokens = _prompts([50], seed=2)
   base = _hidden(small, tokens)
-  ones = lambda layer, n: jnp.ones(n.shape + (4,), jnp.float32)
-  assert np.array_equal(_hidden(small, tokens, ones), base)
-  twos = lambda layer, n: jnp.full(n.shape + (4,), 2.0, jnp.float32)
-  assert not np.allclose(_hidden(small, tokens, twos), base, atol=1e-3)
+  assert np.array_equal(_hidden(small, tokens, _Constant(1.0)), base)
+  assert not np.allclose(_hidden(small, tokens, _Constant(2.0)), base, atol=1e-3)
 
 
 LENGTHS = [10, N0 - 4, 60]
@@ -211,7 +221,7 @@ def test_mixed_batch_changes_only_beyond_n0(small):
 
   # Prefill: hidden states are bit-identical where the query saw <= n0 keys and differ beyond.
   plain = _hidden(small, tokens, prefill=True)
-  scaled = _hidden(small, tokens, sd.query_scale, prefill=True)
+  scaled = _hidden(small, tokens, sd, prefill=True)
   same = np.all(plain == scaled, axis=-1)  # [B, T]
   assert same[:, :N0].all() and not same[:, N0:].any()
 
@@ -236,7 +246,7 @@ def test_greedy_spec_with_sharpdraft_equals_ar(target, small, rule, mode):
   prompts = _prompts([5, 40, 90, 17], seed=4)
   ar = generate(target, prompts, max_new_tokens=24, eos_id=-1)
   drafter = standalone_from_model(small, mode, sharpdraft=_sharp(rule))
-  sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=drafter, num_draft_tokens=4)
+  sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=drafter, num_draft=4)
   assert sp.tokens == ar.tokens
 
 

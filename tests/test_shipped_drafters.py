@@ -51,7 +51,7 @@ def test_smollm2_drafters_are_lossless_and_accept(method, k):
   text = long_doc_paths()[0].read_text()
   prompts = [tok.encode(text[i:i + 1500]).ids[:200] for i in (0, 3000)]
   ar = generate(model, prompts, max_new_tokens=32)
-  spec = generate(model, prompts, max_new_tokens=32, drafter=drafter, num_draft_tokens=k)
+  spec = generate(model, prompts, max_new_tokens=32, drafter=drafter, num_draft=k)
   assert spec.tokens == ar.tokens
   # A trained drafter: clearly more than one token per target pass on real text (an untrained one gives ~1.0;
   # these weak drafters measure 1.32 / 1.35 on these prompts).
@@ -59,7 +59,7 @@ def test_smollm2_drafters_are_lossless_and_accept(method, k):
   if method != "longspark":  # sharpdraft.json ships beside these two; SharpDraft changes drafts, never the output
     sharp = load_drafter(method, model, sharpdraft="exact")
     assert sharp.spec.sharpdraft is not None and sharp.spec.sharpdraft.rule == "exact"
-    assert generate(model, prompts, max_new_tokens=32, drafter=sharp, num_draft_tokens=k).tokens == ar.tokens
+    assert generate(model, prompts, max_new_tokens=32, drafter=sharp, num_draft=k).tokens == ar.tokens
 
 
 @pytest.mark.slow
@@ -73,7 +73,7 @@ def test_shipped_longspark_is_lossless_and_accepts_at_long_context():
   ids = tok.encode(long_doc_paths()[0].read_text()).ids
   prompt = [model.cfg.bos_token_id] + ids[:6000]
   ar = generate(model, [prompt], max_new_tokens=48)
-  spec = generate(model, [prompt], max_new_tokens=48, drafter=drafter, num_draft_tokens=7)
+  spec = generate(model, [prompt], max_new_tokens=48, drafter=drafter, num_draft=7)
   assert spec.tokens == ar.tokens
   # An untrained drafter gives ~1.0; the bench suite measures 3-7 at 4-8K on held-out text.
   assert spec.stats["tau"] > 2.0, spec.stats

@@ -50,7 +50,7 @@ def test_bf16_target_spec_equals_ar():
   ar = generate(model, prompts, max_new_tokens=40, eos_id=-1)
   drafter = LoadedDrafter(PromptLookupDrafter(model.cfg.vocab_size))
   for k in (1, 6):
-    sp = generate(model, prompts, max_new_tokens=40, eos_id=-1, drafter=drafter, num_draft_tokens=k)
+    sp = generate(model, prompts, max_new_tokens=40, eos_id=-1, drafter=drafter, num_draft=k)
     assert sp.tokens == ar.tokens, f"K={k}"
   with pytest.raises(ValueError, match="target dtype"):
     load_target(None, dtype="float16")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from longspec_jax.inference import speculative
+from longspec_jax.inference import engine
 from longspec_jax.inference.generate import generate
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.drafters.base import LoadedDrafter, PrefillResult, ProposeContext, VerifyResult
@@ -58,7 +58,7 @@ def test_greedy_spec_equals_ar(target, drafters, name, batch, lengths):
   prompts = _prompts(batch, lengths)
   ar = generate(target, prompts, max_new_tokens=24, eos_id=-1)
   for k in (1, 4):
-    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=drafters[name], num_draft_tokens=k)
+    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=drafters[name], num_draft=k)
     assert sp.tokens == ar.tokens, f"{name} K={k}"
     assert all(len(t) == 24 for t in sp.tokens)
   if name == "self":
@@ -70,21 +70,20 @@ def test_eos_stops_each_sequence_in_spec(target, drafters):
   free = generate(target, prompts, max_new_tokens=20, eos_id=-1).tokens
   eos = free[1][5]
   ar = generate(target, prompts, max_new_tokens=20, eos_id=eos).tokens
-  sp = generate(target, prompts, max_new_tokens=20, eos_id=eos, drafter=drafters["self"], num_draft_tokens=4)
+  sp = generate(target, prompts, max_new_tokens=20, eos_id=eos, drafter=drafters["self"], num_draft=4)
   assert sp.tokens == ar
   assert len(sp.tokens[1]) <= 6 and sp.tokens[1][-1] == eos
 
 
 def test_no_recompile_within_bucket(target, drafters):
   d = drafters["pard"]
-  generate(target, _prompts(2, [10, 20]), max_new_tokens=16, drafter=d, num_draft_tokens=3)
+  generate(target, _prompts(2, [10, 20]), max_new_tokens=16, drafter=d, num_draft=3)
   # Greedy and sampling are two decode programs (sampling also carries draft probabilities).
-  generate(target, _prompts(2, [10, 20]), max_new_tokens=16, drafter=d, num_draft_tokens=3, temperature=0.9)
-  compiled = lambda: (speculative.spec_prefill_program._cache_size()
-                      + speculative.spec_decode_program._cache_size())
+  generate(target, _prompts(2, [10, 20]), max_new_tokens=16, drafter=d, num_draft=3, temperature=0.9)
+  compiled = lambda: engine.prefill_program._cache_size() + engine.decode_program._cache_size()
   n = compiled()
-  generate(target, _prompts(2, [33, 7], seed=5), max_new_tokens=16, drafter=d, num_draft_tokens=3, seed=4)
-  generate(target, _prompts(2, [12, 9], seed=6), max_new_tokens=16, drafter=d, num_draft_tokens=3, temperature=0.5,
+  generate(target, _prompts(2, [33, 7], seed=5), max_new_tokens=16, drafter=d, num_draft=3, seed=4)
+  generate(target, _prompts(2, [12, 9], seed=6), max_new_tokens=16, drafter=d, num_draft=3, temperature=0.5,
            top_p=0.8)
   assert compiled() == n
 
@@ -170,7 +169,7 @@ def _sample(target, drafter, temperature, top_k, top_p, seed):
   kw = dict(max_new_tokens=N_POS, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=-1)
   if drafter is None:
     return generate(target, prompts, **kw).tokens
-  return generate(target, prompts, drafter=drafter, num_draft_tokens=2, **kw).tokens
+  return generate(target, prompts, drafter=drafter, num_draft=2, **kw).tokens
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +207,7 @@ def test_broken_sampler_is_detected(peaky_target, drafters, monkeypatch):
     return jnp.full((b,), k1 - 1, jnp.int32), jnp.concatenate([drafts, bonus[:, None].astype(jnp.int32)], 1)
 
   jax.clear_caches()
-  monkeypatch.setattr(speculative, "verify_sampling", accept_all)
+  monkeypatch.setattr(engine, "verify_sampling", accept_all)
   sp = SamplingParams.make(1.0)
   samples = _sample(peaky_target, drafters["standalone"], 1.0, 0, 1.0, seed=11)
   jax.clear_caches()
@@ -218,11 +217,11 @@ def test_broken_sampler_is_detected(peaky_target, drafters, monkeypatch):
 def test_bad_input(target, drafters):
   wrong_vocab = standalone_from_model(create_model(_cfg(layers=1, vocab=V + 8), seed=1))
   with pytest.raises(ValueError, match="vocabulary"):
-    generate(target, [[3, 4, 5]], drafter=wrong_vocab, num_draft_tokens=2)
-  with pytest.raises(ValueError, match="num_draft_tokens must be >= 1"):
-    generate(target, [[3, 4, 5]], drafter=drafters["pard"], num_draft_tokens=0)
+    generate(target, [[3, 4, 5]], drafter=wrong_vocab, num_draft=2)
+  with pytest.raises(ValueError, match="num_draft must be >= 1"):
+    generate(target, [[3, 4, 5]], drafter=drafters["pard"], num_draft=0)
   with pytest.raises(ValueError, match="exceeds the model's maximum context"):
-    generate(target, [[3] * 2000], max_new_tokens=40, drafter=drafters["pard"], num_draft_tokens=16)
+    generate(target, [[3] * 2000], max_new_tokens=40, drafter=drafters["pard"], num_draft=16)
   with pytest.raises(ValueError, match="mode must be one of"):
     standalone_from_model(target, "turbo")
 

@@ -13,13 +13,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longspec_jax.argtypes import nonneg_int, positive_int
+from longspec_jax.argtypes import HelpFormatter, nonneg_int, positive_int
+from longspec_jax.drafters import SHARPDRAFT_METHODS
 from longspec_jax.sharpdraft_names import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE
 
 if TYPE_CHECKING:
   import numpy as np
 
-DRAFTERS = ("pard", "standalone", "dflash", "eagle3")
+# The methods SharpDraft applies to (registry entries with sharpdraft=True; their specs have attention_logits).
+DRAFTERS = SHARPDRAFT_METHODS
 
 
 def _windows_from_streams(streams: list[list[int]], n0: int, num: int, bos: int | None, seed: int) -> np.ndarray:
@@ -82,8 +84,6 @@ def drafter_scores(loaded, target, windows: np.ndarray, batch: int) -> list[np.n
   from tqdm import tqdm
 
   spec = loaded.spec
-  if not hasattr(spec, "attention_logits"):
-    raise ValueError(f"drafter {spec.name!r} has no attention_logits: SharpDraft cannot calibrate it")
   graphdef, tparams = nnx.split(target)
   fn = jax.jit(lambda dp, tp, toks: spec.attention_logits(dp, nnx.merge(graphdef, tp), toks))
   per_layer = None
@@ -162,9 +162,13 @@ def cmd_calibrate_sharpdraft(a) -> int:
 
 
 def add_subcommand(subparsers) -> None:
-  c = subparsers.add_parser("calibrate-sharpdraft",
-                            help="measure a drafter's attention-score statistics at n0 and write sharpdraft.json")
-  c.add_argument("--drafter", required=True, choices=DRAFTERS)
+  c = subparsers.add_parser(
+      "calibrate-sharpdraft", help="measure a drafter's attention-score statistics at n0 and write sharpdraft.json",
+      description="SharpDraft calibration: run the drafter's attention over corpus windows of its training length\n"
+                  "n0, fit the score model (relevant keys' margin and background spread) per drafter, layer or\n"
+                  "head, and write sharpdraft.json beside the checkpoint (read by --sharpdraft fixed|exact).",
+      formatter_class=HelpFormatter)
+  c.add_argument("--drafter", required=True, choices=DRAFTERS, help="the method whose drafter to calibrate")
   c.add_argument("--drafter-dir", help="drafter checkpoint (default: the one shipped for the target)")
   c.add_argument("--model", help="target: a name (smollm2-135m), a model dir, or the shipped target (default)")
   c.add_argument("--corpus", default="data/corpus", help="corpus whose train split gives the text")
@@ -172,10 +176,11 @@ def add_subcommand(subparsers) -> None:
                  help="share one set of statistics per drafter, per layer, or keep one per head")
   c.add_argument("--rule", choices=ALPHA_RULES, default="tangent",
                  help="fixed-slope alpha: tangent of the exact rule at n0, or least-squares fit up to --fit-max-keys")
-  c.add_argument("--fit-max-keys", type=positive_int, default=16384)
-  c.add_argument("--num-windows", type=positive_int, default=256)
-  c.add_argument("--batch", type=positive_int, default=8)
-  c.add_argument("--seed", type=nonneg_int, default=0)
+  c.add_argument("--fit-max-keys", type=positive_int, default=16384,
+                 help="--rule fit: the largest key count the slope is fitted over")
+  c.add_argument("--num-windows", type=positive_int, default=256, help="corpus windows of n0 tokens measured")
+  c.add_argument("--batch", type=positive_int, default=8, help="windows per forward")
+  c.add_argument("--seed", type=nonneg_int, default=0, help="window choice")
   c.add_argument("--n0", type=positive_int, help="override drafter.json's n0")
   c.add_argument("--out", help=f"output file (default: DRAFTER_DIR/{SHARPDRAFT_FILE})")
   c.set_defaults(fn=cmd_calibrate_sharpdraft)

@@ -1,22 +1,17 @@
-"""`longspec make-drafter-data` and `longspec train-drafter`: registered on the main CLI's subparsers by
-`add_subcommands`. Each handler returns an exit code."""
+"""`longspec make-drafter-data`, `make-distill-store` and `train-drafter`: registered on the main CLI's
+subparsers by `add_subcommands`. Each handler returns an exit code. Jax-free at import (the parser is built for
+`longspec --help`); handlers import what they run."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from longspec_jax.argtypes import fraction, int_list, nonneg_float, nonneg_int, positive_int
+from longspec_jax.argtypes import HelpFormatter, fraction, int_list, nonneg_float, nonneg_int, positive_int
+from longspec_jax.drafters import ENTRIES
 
-# --drafter NAME -> (module, config class, train function); configs/drafter_NAME.yaml is the default config.
-DRAFTERS = {
-    "pard": ("longspec_jax.training.train_drafter", "DrafterTrainConfig", "train_standalone_drafter"),
-    "dflash": ("longspec_jax.training.train_dflash", "DFlashTrainConfig", "train_dflash"),
-    "eagle3": ("longspec_jax.training.train_eagle3", "Eagle3TrainConfig", "train_eagle3"),
-    "dels": ("longspec_jax.training.train_dels", "DeLSTrainConfig", "train_dels"),
-    "longspark": ("longspec_jax.training.train_longspark", "LongSparkTrainConfig", "train_longspark"),
-    "budget": ("longspec_jax.training.train_budget", "BudgetTrainConfig", "train_budget"),
-}
+# --drafter NAME: the methods whose registry entry names a trainer; configs/drafter_NAME.yaml is the default config.
+TRAINABLE = sorted(name for name, e in ENTRIES.items() if e.trainer)
 
 
 def cmd_make_drafter_data(a) -> int:
@@ -41,7 +36,7 @@ def cmd_make_drafter_data(a) -> int:
 
 def cache_tap_indices(spec: str, target_cfg) -> tuple[int, ...]:
   """'dflash,eagle3,7' -> the union of DFlash's default taps (5 layers), EAGLE-3's default aux layers and 7."""
-  from longspec_jax.drafters.dflash import default_target_layer_ids
+  from longspec_jax.drafters.frozen_target import default_target_layer_ids
   from longspec_jax.drafters.eagle3 import default_aux_layers
 
   n = target_cfg.num_hidden_layers
@@ -73,37 +68,57 @@ def _cache_features(cfg, taps_spec: str, kv_layers) -> None:
         f"({size / sum(rows) * 1024 / 2**20:.2f} MiB per 1K tokens), {time.time() - t0:.0f} s this run")
 
 
-def cmd_train_drafter(a) -> int:
-  import importlib
+def cmd_make_distill_store(a) -> int:
+  from longspec_jax.config import ModelConfig
+  from longspec_jax.targets import resolve_target_dir
+  from longspec_jax.training.distill_store import INDEX, DistillStoreConfig, build_distill_store
 
+  target_cfg = ModelConfig.from_json_file(resolve_target_dir(a.target) / "config.json")
+  cfg = DistillStoreConfig(
+      target=a.target, corpus_dir=a.corpus, out_dir=a.out, max_tokens=a.max_tokens, window_tokens=a.window,
+      taps=cache_tap_indices(a.taps, target_cfg) if a.taps else (), kv_layers=a.kv_layers or (), topk=a.topk,
+      feature_dtype=a.dtype, shard_tokens=a.shard_tokens, on_policy_fraction=a.on_policy_fraction,
+      on_policy_new_tokens=a.on_policy_new_tokens, seed=a.seed)
+  out = build_distill_store(cfg, show_progress=not a.quiet)
+  index = json.loads((out / INDEX).read_text())
+  run = index["runs"][-1]
+  print(json.dumps({"stored_tokens": index["stored_tokens"], "shards": len(index["shards"]), "bytes": index["bytes"],
+                    "bytes_per_million_tokens": index["bytes"] * 1e6 / max(index["stored_tokens"], 1),
+                    "this_run_seconds": run["seconds"], "this_run_tokens": run["tokens"]}, indent=2))
+  return 0
+
+
+def cmd_train_drafter(a) -> int:
   from longspec_jax.yaml_config import load_yaml
 
   if a.multi_view_budgets:
     if a.drafter != "budget":
       raise ValueError("--multi-view-budgets applies to --drafter budget")
     a.set.append(f"budgets=[{a.multi_view_budgets}]")
-  module, config_cls, train_fn = DRAFTERS[a.drafter]
-  mod = importlib.import_module(module)
+  config_cls, train = ENTRIES[a.drafter].load_trainer()
   overrides = a.set + ([f"base={a.base}"] if a.base else [])  # --base: the frozen drafter a head wraps (dels)
-  cfg = load_yaml(getattr(mod, config_cls), a.config or f"configs/drafter_{a.drafter}.yaml", overrides)
-  print(getattr(mod, train_fn)(cfg, resume=not a.no_resume))
+  cfg = load_yaml(config_cls, a.config or f"configs/drafter_{a.drafter}.yaml", overrides)
+  print(train(cfg, resume=not a.no_resume))
   return 0
 
 
 def add_subcommands(subparsers) -> None:
-  m = subparsers.add_parser("make-drafter-data",
-                            help="generate drafter training data: corpus prompts continued by the target")
+  m = subparsers.add_parser(
+      "make-drafter-data", help="generate drafter training data: corpus prompts continued by the target",
+      description="Continue prompts cut from the corpus train split with the target (half greedy, half sampled)\n"
+                  "and save prompt + continuation rows (datasets/Arrow) for drafter training; optionally cache the\n"
+                  "frozen target's taps and K/V for them. Resumable.", formatter_class=HelpFormatter)
   m.add_argument("--target", help="target: a name (smollm2-135m), a model dir, or the shipped target (default)")
-  m.add_argument("--corpus", default="data/corpus")
-  m.add_argument("--out", default="runs/drafter_data")
-  m.add_argument("--num-prompts", type=positive_int, default=400)
-  m.add_argument("--new-tokens", type=positive_int, default=256)
-  m.add_argument("--batch", type=positive_int, default=16)
+  m.add_argument("--corpus", default="data/corpus", help="corpus directory (from `longspec corpus`)")
+  m.add_argument("--out", default="runs/drafter_data", help="output directory")
+  m.add_argument("--num-prompts", type=positive_int, default=400, help="prompts to continue")
+  m.add_argument("--new-tokens", type=positive_int, default=256, help="tokens the target generates per prompt")
+  m.add_argument("--batch", type=positive_int, default=16, help="prompts generated together")
   m.add_argument("--temperature", type=nonneg_float, default=0.8, help="for the sampled batches")
   m.add_argument("--greedy-fraction", type=fraction, default=0.5, help="share of batches decoded greedily")
-  m.add_argument("--min-prompt-tokens", type=positive_int, default=128)
-  m.add_argument("--max-prompt-tokens", type=positive_int, default=256)
-  m.add_argument("--seed", type=nonneg_int, default=0)
+  m.add_argument("--min-prompt-tokens", type=positive_int, default=128, help="shortest prompt cut from the corpus")
+  m.add_argument("--max-prompt-tokens", type=positive_int, default=256, help="longest prompt cut from the corpus")
+  m.add_argument("--seed", type=nonneg_int, default=0, help="prompt cuts and sampling")
   m.add_argument("--cache-taps", metavar="SPEC",
                  help="also cache the frozen target's taps for training, e.g. 'dflash,eagle3' (those drafters' "
                       "default taps) or tap indices '2,15'; rerun on finished data to add the cache")
@@ -111,11 +126,40 @@ def add_subcommands(subparsers) -> None:
                  help="also cache the post-RoPE K/V of these target layers")
   m.set_defaults(fn=cmd_make_drafter_data)
 
-  t = subparsers.add_parser("train-drafter", help="train a drafter for the target on make-drafter-data output")
-  t.add_argument("--drafter", choices=sorted(DRAFTERS), default="pard")
+  d = subparsers.add_parser(
+      "make-distill-store", help="run the target teacher-forced over the corpus: taps, K/V and top-k soft labels",
+      description="Run the frozen target once, teacher-forced, over long windows of the corpus train split (and,\n"
+                  "with --on-policy-fraction, over its own continuations), storing per token the taps and K/V\n"
+                  "rows drafters read and the target's top-k next-token log-probabilities. Sharded .npy files\n"
+                  "with index.json; rerunning the same command resumes after the last complete shard.",
+      formatter_class=HelpFormatter)
+  d.add_argument("--target", help="target name or HF directory (default: the shipped 8.4M target)")
+  d.add_argument("--corpus", default="data/corpus", help="corpus directory (from `longspec corpus`)")
+  d.add_argument("--out", default="runs/distill", help="store directory")
+  d.add_argument("--max-tokens", type=positive_int, default=9_000_000, help="stop once this many tokens are stored")
+  d.add_argument("--window", type=positive_int, default=8192, help="tokens per window (documents concatenated)")
+  d.add_argument("--taps", default="", metavar="SPEC",
+                 help="residual-stream taps to store: indices and/or drafter names, e.g. dflash,eagle3,2")
+  d.add_argument("--kv-layers", type=int_list, metavar="L1,L2,...", help="target layers whose K/V rows to store")
+  d.add_argument("--topk", type=positive_int, default=32, help="next-token log-probabilities kept per token")
+  d.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                 help="storage of taps and K/V (fp8: e4m3 with a per-row scale)")
+  d.add_argument("--shard-tokens", type=positive_int, default=65536, help="tokens per shard (the unit of resume)")
+  d.add_argument("--on-policy-fraction", type=fraction, default=0.0,
+                 help="share of windows whose last --on-policy-new-tokens the target generates itself")
+  d.add_argument("--on-policy-new-tokens", type=positive_int, default=256, help="tokens generated per such window")
+  d.add_argument("--seed", type=nonneg_int, default=0, help="document order and on-policy draws")
+  d.add_argument("--quiet", action="store_true", help="no progress bar")
+  d.set_defaults(fn=cmd_make_distill_store)
+
+  t = subparsers.add_parser(
+      "train-drafter", help="train a drafter for the target on make-drafter-data output",
+      description="Train a drafter (sharded, orbax checkpoints, exact resume) from a YAML config; the result is a\n"
+                  "drafter directory that load_drafter and --drafter DIR read.", formatter_class=HelpFormatter)
+  t.add_argument("--drafter", choices=TRAINABLE, default="pard", help="which drafter to train")
   t.add_argument("--config", help="YAML config (default: configs/drafter_<drafter>.yaml)")
   t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-  t.add_argument("--no-resume", action="store_true")
+  t.add_argument("--no-resume", action="store_true", help="start over instead of resuming the last checkpoint")
   t.add_argument("--base", help="dels: the frozen DFlash the local head wraps (shipped name or directory)")
   t.add_argument("--multi-view-budgets", metavar="B1,B2,...",
                  help="--drafter budget: the budgets drawn per step (same as --set budgets=[...])")

@@ -20,3 +20,38 @@ def cross_entropy(logits, targets, weights=None):
 def per_token_nll(logits, targets):
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+DISTILL_KINDS = ("kl", "tv", "hard")
+
+
+def topk_distillation(logits, topk_ids, topk_logprobs, kind: str = "kl", weights=None):
+  """Loss against a teacher's top-k next-token distribution (the distillation store's soft labels).
+
+  logits [..., V] student; topk_ids / topk_logprobs [..., k] the teacher's k most likely tokens and their
+  log-probabilities under its full softmax. The teacher's remaining mass 1 - sum(p_topk) is one "rest" outcome,
+  compared with the student's mass outside those k tokens, so both sides are proper distributions over k + 1
+  outcomes:
+    kl   = sum_i p_i (log p_i - log q_i) + p_rest (log p_rest - log q_rest)     (forward KL, teacher first)
+    tv   = (sum_i |p_i - q_i| + |p_rest - q_rest|) / 2                          (total variation)
+    hard = cross entropy against the teacher's argmax (topk_ids[..., 0])
+  Returns (weighted mean loss, total weight), as `cross_entropy`."""
+  if kind not in DISTILL_KINDS:
+    raise ValueError(f"distillation loss must be one of {DISTILL_KINDS}, got {kind!r}")
+  if kind == "hard":
+    return cross_entropy(logits, topk_ids[..., 0], weights)
+  logq_all = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  logq = jnp.take_along_axis(logq_all, topk_ids, axis=-1)
+  logp = topk_logprobs.astype(jnp.float32)
+  p, q = jnp.exp(logp), jnp.exp(logq)
+  eps = 1e-9
+  p_rest = jnp.clip(1.0 - p.sum(-1), 0.0, 1.0)
+  q_rest = jnp.clip(1.0 - q.sum(-1), 0.0, 1.0)
+  if kind == "kl":
+    per_token = jnp.sum(p * (logp - logq), -1) + p_rest * (jnp.log(p_rest + eps) - jnp.log(q_rest + eps))
+  else:
+    per_token = 0.5 * (jnp.sum(jnp.abs(p - q), -1) + jnp.abs(p_rest - q_rest))
+  if weights is None:
+    weights = jnp.ones_like(per_token)
+  total = jnp.sum(weights)
+  return jnp.sum(per_token * weights) / jnp.maximum(total, 1e-9), total

@@ -27,20 +27,20 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
-from longspec_jax.attention import causal_attention, masked_attention
-from longspec_jax.distributed import is_main_process
+from longspec_jax.attention import causal_attention, dense_masked_attention
 from longspec_jax.drafters.budget import CHUNK, check_budget, select_budget_chunks, selection_lengths
 from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
-from longspec_jax.pallas_kernels.query_scaled_attention.reference import chunk_key_mask
+from longspec_jax.pallas_kernels.length_masked_attention.reference import chunk_key_mask
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.losses import cross_entropy
-from longspec_jax.training.train_drafter import _target_config
-from longspec_jax.training.trainer import OptimConfig, start_run
+from longspec_jax.training.drafter_common import (data_target, last_logged, pad_token, split_indices,
+                                                   train_to_export, write_drafter_json)
+from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class BudgetTrainConfig:
+class BudgetTrainConfig(RunConfig):
   data_dir: str = "runs/drafter_data_long"
   target_dir: str = ""  # "" = the target recorded in the data's manifest
   init_dir: str = ""  # drafter checkpoint to fine-tune ("" = the shipped PARD / standalone drafter)
@@ -54,13 +54,9 @@ class BudgetTrainConfig:
   steps: int = 80
   optim: OptimConfig = OptimConfig(lr=5e-4, warmup_steps=8)
   val_fraction: float = 0.08
-  seed: int = 0
   compute_dtype: str = "bfloat16"
   attn_block: int = 512
-  checkpoint_every_minutes: float = 5.0
   log_every: int = 5
-  mesh_data: int = 0  # 0 = all devices
-  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
 
   def __post_init__(self):
     object.__setattr__(self, "budgets", tuple(int(b) for b in self.budgets))
@@ -72,9 +68,7 @@ class BudgetTrainConfig:
                        f"probabilities {self.budget_probs}")
     if abs(sum(self.budget_probs) - 1) > 1e-6:
       raise ValueError(f"budget_probs must sum to 1, got {sum(self.budget_probs)}")
-    for name in ("continuation_len", "batch_size", "steps"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    self.require_positive("continuation_len", "batch_size", "steps")
     if self.sparse_weight < 0 or not 0 <= self.val_fraction < 1:
       raise ValueError(f"need sparse_weight >= 0 and 0 <= val_fraction < 1, got {self.sparse_weight}, "
                        f"{self.val_fraction}")
@@ -184,7 +178,7 @@ def multiview_forward(model, batch, max_budget: int, keep_recent: bool):
       q_c, k_c, v_c = attn.qkv(layer.input_layernorm(x_c), pos_c, rope)
       k = jnp.concatenate([k_p, k_c], axis=1)
       v = jnp.concatenate([v_p, v_c], axis=1)
-      x_c = x_c + attn.out(masked_attention(q_c, k, v, vis))
+      x_c = x_c + attn.out(dense_masked_attention(q_c, k, v, vis))
       branches.append(x_c + layer.mlp(layer.post_attention_layernorm(x_c)))
     x_f, x_s = branches
     if li + 1 < len(model.layers):  # the last layer's prompt outputs feed nothing
@@ -217,16 +211,13 @@ def train_budget(cfg: BudgetTrainConfig, resume: bool = True) -> Path:
   """Fine-tunes the drafter with the multi-view objective; returns the exported HF directory (or the checkpoint
   dir when stopped early)."""
   ds, manifest = load_drafter_data(cfg.data_dir)
-  target_dir, target = _target_config(cfg, manifest)
+  target_dir, target = data_target(manifest, cfg.data_dir, cfg.target_dir)
   out = Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   rows = _rows(ds)
   labels = teacher_labels(target_dir, rows, out / "teacher_labels.npz")
-  # The same held-out split as the other drafter trainers (seeded permutation of whole rows).
-  order = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
-  n_val = int(round(cfg.val_fraction * len(rows)))
-  train_idx, val_idx = order[n_val:], order[:n_val]
-  pad_id = target.pad_token_id if target.pad_token_id is not None else target.eos_token_id or 0
+  train_idx, val_idx = split_indices(len(rows), cfg.seed, cfg.val_fraction)
+  pad_id = pad_token(target)
   sampler = LongRowSampler([rows[i] for i in train_idx], [labels[i] for i in train_idx], cfg, pad_id, cfg.seed)
 
   init_dir, model = _load_init(cfg)
@@ -248,11 +239,9 @@ def train_budget(cfg: BudgetTrainConfig, resume: bool = True) -> Path:
 
   tokens_per_step = int(cfg.batch_size * (sampler.prompt.shape[1] + cfg.continuation_len))
   t0 = time.time()
-  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: tokens_per_step, desc="train-budget"):
-    return run.out / "checkpoints"
-  trained = run.local_params()
-  if not is_main_process():  # process 0 exports
-    return run.out / "final"
+  trained, stopped = train_to_export(run, loss_fn, batch_fn, tokens_fn=lambda s: tokens_per_step, desc="train-budget")
+  if stopped:
+    return stopped
   val = LongRowSampler([rows[i] for i in val_idx], [labels[i] for i in val_idx], cfg, pad_id, cfg.seed + 1)
   metrics = {"initial": validation_metrics(graphdef, initial, val, cfg),
              "trained": validation_metrics(graphdef, trained, val, cfg)}
@@ -291,10 +280,8 @@ def validation_metrics(graphdef, params, val: LongRowSampler, cfg: BudgetTrainCo
 def export_budget_drafter(model, cfg: BudgetTrainConfig, init_dir: Path, target_dir: Path, manifest: dict,
                           metrics: dict, train_s: float) -> Path:
   from longspec_jax.hf_io import save_model_dir
-  out = Path(cfg.out_dir)
-  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
-  last = log[-1] if log else {}
-  final = save_model_dir(model, out / "final", tokenizer_dir=target_dir, dtype=jnp.bfloat16)
+  last = last_logged(cfg.out_dir)
+  final = save_model_dir(model, Path(cfg.out_dir) / "final", tokenizer_dir=target_dir, dtype=jnp.bfloat16)
   init_meta = json.loads((init_dir / "drafter.json").read_text()) if (init_dir / "drafter.json").exists() else {}
   info = {
       "kind": "budget",
@@ -319,14 +306,10 @@ def export_budget_drafter(model, cfg: BudgetTrainConfig, init_dir: Path, target_
       "batch_size": cfg.batch_size,
       "lr": cfg.optim.lr,
       "tokens_seen": last.get("tokens"),
-      "final_loss": last.get("loss"),
       "final_full_loss": last.get("full_loss"),
       "final_sparse_loss": last.get("sparse_loss"),
-      "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
-      "parameters": param_count(model),
       "val_rows": int(round(cfg.val_fraction * manifest["counts"]["sequences"])),
       "val_top1_per_slot_note": "classic mode drafts one token per slot from its own prefix: one top-1 per branch",
       "val": metrics,
   }
-  (final / "drafter.json").write_text(json.dumps(info, indent=2))
-  return final
+  return write_drafter_json(final, info, last=last, train_s=train_s, model=model)

@@ -15,7 +15,6 @@ count the engine would see; DFlash's block logits come from the frozen target's 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import types
 from pathlib import Path
@@ -26,20 +25,22 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
-from longspec_jax.distributed import is_main_process
 from longspec_jax.drafters.dels import (DeLSConfig, combine, local_block_logits, resolve_base_dir, save_dels_dir,
                                         unigram_log_prior)
-from longspec_jax.drafters.dflash import load_dflash_model, target_io
+from longspec_jax.drafters.dflash import load_dflash_model
+from longspec_jax.drafters.frozen_target import target_io
 from longspec_jax.hf_io import load_model_dir
-from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.losses import cross_entropy
-from longspec_jax.training.train_dflash import BlockSampler, dflash_train_logits, make_tap_fn
-from longspec_jax.training.train_drafter import _target_config
-from longspec_jax.training.trainer import OptimConfig, start_run
+from longspec_jax.training.drafter_common import (check_token_ids, last_logged, load_data_dirs, make_tap_fn,
+                                                   pad_token, split_indices, train_to_export,
+                                                   write_drafter_json)
+from longspec_jax.training.train_dflash import BlockSampler, dflash_train_logits
+from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class DeLSTrainConfig:
+class DeLSTrainConfig(RunConfig):
   data_dirs: tuple[str, ...] = ("runs/drafter_data",)
   base: str = "dflash"  # the frozen DFlash: a shipped drafter name or a directory
   target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
@@ -60,17 +61,10 @@ class DeLSTrainConfig:
   tune_num_draft: int = 8  # drafts per step the alpha/beta tuning optimizes acceptance for
   alpha_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
   beta_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
-  seed: int = 0
-  checkpoint_every_minutes: float = 5.0
-  log_every: int = 10
-  mesh_data: int = 0  # 0 = all devices
-  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
 
   def __post_init__(self):
-    for name in ("embed_dim", "gru_hidden_dim", "low_rank_dim", "context_len", "anchors_per_window",
-                 "batch_size", "steps", "val_windows", "val_anchors", "tune_num_draft"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    self.require_positive("embed_dim", "gru_hidden_dim", "low_rank_dim", "context_len", "anchors_per_window",
+                          "batch_size", "steps", "val_windows", "val_anchors", "tune_num_draft")
     if self.gamma <= 0 or not 0 < self.val_fraction < 1:
       raise ValueError(f"need gamma > 0 and 0 < val_fraction < 1, got {self.gamma}, {self.val_fraction}")
     if not self.data_dirs or not self.alpha_grid or not self.beta_grid:
@@ -112,21 +106,11 @@ def dels_loss(dcfg: DeLSConfig, params, batch):
 
 def _load_rows(cfg: DeLSTrainConfig):
   """(train rows, val rows, target dir, target config, manifests); rows are (tokens, prompt length, greedy)."""
-  rows, manifests, target = [], [], None
-  for d in cfg.data_dirs:
-    ds, manifest = load_drafter_data(d)
-    target_dir, t = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=d), manifest)
-    if target is not None and t.vocab_size != target[1].vocab_size:
-      raise ValueError(f"drafter data dirs {cfg.data_dirs} come from targets with different vocabularies")
-    target = target or (target_dir, t)
-    manifests.append(manifest)
-    rows += [(list(p) + list(c), len(p), float(temp) == 0.0)
-             for p, c, temp in zip(ds["prompt"], ds["continuation"], ds["temperature"])]
-  order = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
-  n_val = max(int(round(cfg.val_fraction * len(rows))), 1)
-  if n_val >= len(rows):
-    raise ValueError(f"val_fraction {cfg.val_fraction} leaves no training rows out of {len(rows)}")
-  return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]], target[0], target[1], manifests
+  data, target_dir, target_cfg = load_data_dirs(cfg.data_dirs, cfg.target_dir)
+  rows = [(list(p) + list(c), len(p), float(temp) == 0.0)
+          for ds, _ in data for p, c, temp in zip(ds["prompt"], ds["continuation"], ds["temperature"])]
+  train, val = split_indices(len(rows), cfg.seed, cfg.val_fraction, min_val=1)
+  return [rows[i] for i in train], [rows[i] for i in val], target_dir, target_cfg, [m for _, m in data]
 
 
 def _sampler_cfg(cfg: DeLSTrainConfig, block_size: int, anchors: int, gamma: float):
@@ -142,10 +126,8 @@ def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
   base_model.cfg.check_target(target_cfg)
   bs = base_model.cfg.block_size
   v = target_cfg.vocab_size
-  top = max(max(r) for r, _, _ in train_rows + val_rows)
-  if top >= v:
-    raise ValueError(f"drafter data has token id {top} >= the target's vocab_size {v}")
-  pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
+  check_token_ids([r for r, _, _ in train_rows + val_rows], v)
+  pad_id = pad_token(target_cfg)
   sampler = BlockSampler([(r, p) for r, p, _ in train_rows], _sampler_cfg(cfg, bs, cfg.anchors_per_window,
                                                                          cfg.gamma), pad_id, cfg.seed)
   counts = np.bincount(np.concatenate([np.asarray(r[p:], np.int64) for r, p, _ in train_rows]), minlength=v)
@@ -171,12 +153,11 @@ def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
     return dict(batch, io=io, log_prior=prior)
 
   t0 = time.time()
-  if not run.train(run.train_step(lambda p, b: dels_loss(dcfg, p, b)), batch_fn, desc="train-drafter dels",
-                   tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window * (bs - 1)):
-    return run.out / "checkpoints"
-  if not is_main_process():  # process 0 tunes and exports
-    return run.out / "final"
-  head = jax.tree.map(np.asarray, merge_head(run.local_params(), target_io(target), log_prior))
+  trained, stopped = train_to_export(run, lambda p, b: dels_loss(dcfg, p, b), batch_fn, desc="train-drafter dels",
+                                     tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window * (bs - 1))
+  if stopped:  # (process 0 tunes and exports)
+    return stopped
+  head = jax.tree.map(np.asarray, merge_head(trained, target_io(target), log_prior))
   # Tune on exactly what ships: the tables rounded to bf16 (the prior stays fp32).
   head = {k: (x if k == "log_prior" else np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)))
           for k, x in head.items()}
@@ -293,10 +274,7 @@ def tune_alpha_beta(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_model, ta
 
 def export_dels(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_dir: Path, target_dir, manifests,
                 train_s: float, tuning: dict) -> Path:
-  out = Path(cfg.out_dir)
-  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
-  last = log[-1] if log else {}
-  final = save_dels_dir(dcfg, head, out / "final", base_drafter=cfg.base)
+  final = save_dels_dir(dcfg, head, Path(cfg.out_dir) / "final", base_drafter=cfg.base)
   info = {
       "kind": "dels",
       "base_drafter": cfg.base,
@@ -309,9 +287,8 @@ def export_dels(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_dir: Path, ta
       "embed_dim": cfg.embed_dim, "gru_hidden_dim": cfg.gru_hidden_dim, "low_rank_dim": cfg.low_rank_dim,
       "rank_activation": cfg.rank_activation, "gru_start": dcfg.gru_start,
       "steps": cfg.steps, "batch_size": cfg.batch_size, "anchors_per_window": cfg.anchors_per_window,
-      "gamma": cfg.gamma, "final_loss": last.get("loss"), "train_wall_s": round(train_s, 1),
+      "gamma": cfg.gamma,
       "alpha": list(dcfg.alpha), "beta": list(dcfg.beta),
       **tuning["tuning"],
   }
-  (final / "drafter.json").write_text(json.dumps(info, indent=2))
-  return final
+  return write_drafter_json(final, info, last=last_logged(cfg.out_dir), train_s=train_s)

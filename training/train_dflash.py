@@ -11,9 +11,7 @@ blocks of a window share one context K/V computation and one attention call with
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-import types
 from pathlib import Path
 
 import jax
@@ -21,21 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.attention import masked_attention
-from longspec_jax.drafters.dflash import (DFlashModel, create_dflash, dflash_config_for, embed_tokens,
-                                          head_logits, save_dflash_dir, target_io)
-from longspec_jax.distributed import is_main_process
+from longspec_jax.attention import dense_masked_attention
+from longspec_jax.drafters.dflash import DFlashModel, create_dflash, dflash_config_for, save_dflash_dir
+from longspec_jax.drafters.frozen_target import embed_tokens, head_logits, target_io
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
-from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
 from longspec_jax.training.losses import cross_entropy
-from longspec_jax.training.train_drafter import _target_config
-from longspec_jax.training.trainer import OptimConfig, start_run
+from longspec_jax.training.drafter_common import (check_token_ids, draw_windows, fold_input_scale,
+                                                   inverse_median_scale, last_logged, load_data_dirs, make_tap_fn,
+                                                   pad_token, split_indices, train_to_export, write_drafter_json)
+from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashTrainConfig:
+class DFlashTrainConfig(RunConfig):
   data_dirs: tuple[str, ...] = ("runs/drafter_data",)
   target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
   out_dir: str = "runs/drafter_dflash"
@@ -66,18 +65,11 @@ class DFlashTrainConfig:
   optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
   val_fraction: float = 0.05
   val_windows: int = 64
-  seed: int = 0
   compute_dtype: str = "bfloat16"
-  checkpoint_every_minutes: float = 5.0
-  log_every: int = 10
-  mesh_data: int = 0  # 0 = all devices
-  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
 
   def __post_init__(self):
-    for name in ("num_layers", "num_target_taps", "context_len", "anchors_per_window", "batch_size", "steps",
-                 "val_windows"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    self.require_positive("num_layers", "num_target_taps", "context_len", "anchors_per_window", "batch_size", "steps",
+                          "val_windows")
     if self.block_size < 2 or self.gamma <= 0 or not 0 <= self.val_fraction < 1:
       raise ValueError(f"need block_size >= 2, gamma > 0 and 0 <= val_fraction < 1, got {self.block_size}, "
                        f"{self.gamma}, {self.val_fraction}")
@@ -109,16 +101,10 @@ class BlockSampler:
     return len(self.lens)
 
   def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
-    """Rows `rows` of step `step`'s batch (a process builds only its own; every random draw is for the whole
-    batch, so the rows do not depend on how the batch is split)."""
+    """Rows `rows` of step `step`'s batch (see draw_windows)."""
     cfg = self.cfg
     c, bs, a = cfg.context_len, cfg.block_size, cfg.anchors_per_window
-    rng = np.random.default_rng([self.seed, step])
-    picks = rng.integers(0, len(self.lens), size=batch_size)
-    # Longer rows: a window that keeps the start of the continuation when possible.
-    offs = np.asarray([rng.integers(0, max(self.lens[r] - c, 0) + 1) for r in picks])
-    u = rng.random((batch_size, a))
-    picks, offs, u = picks[rows], offs[rows], u[rows]
+    rng, picks, offs, u = draw_windows(self.lens, self.seed, step, batch_size, c, rows, a)
     valid = np.minimum(self.lens[picks] - offs, c)
     cols = np.minimum(offs[:, None] + np.arange(c)[None, :], self.tokens.shape[1] - 1)
     toks = np.where(np.arange(c)[None, :] < valid[:, None], np.take_along_axis(self.tokens[picks], cols, 1),
@@ -158,8 +144,8 @@ def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors, tap_scale
       jnp.broadcast_to(group[:, None] == group[None, :], (b, a * bs, a * bs))], axis=-1)
 
   def attend(li, q, k, v):
-    return masked_attention(q, jnp.concatenate([ck[li].astype(k.dtype), k], 1),
-                            jnp.concatenate([cv[li].astype(v.dtype), v], 1), visible)
+    return dense_masked_attention(q, jnp.concatenate([ck[li].astype(k.dtype), k], 1),
+                                  jnp.concatenate([cv[li].astype(v.dtype), v], 1), visible)
 
   h = model.block_hidden(embed_tokens(io, blk.reshape(b, a * bs), model.dtype), pos, attend)
   return head_logits(io, h.reshape(b, a, bs, -1)[:, :, 1:])
@@ -176,38 +162,13 @@ def dflash_loss(model, batch):
 def _load_rows(cfg: DFlashTrainConfig):
   """(train rows, val rows, target dir, target config, manifests, datasets); held-out rows are whole sequences.
   A row is (tokens, prompt length, id): ids number the rows of all data dirs in order."""
-  rows, manifests, datasets, target = [], [], [], None
-  for d in cfg.data_dirs:
-    ds, manifest = load_drafter_data(d)
-    target_dir, t = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=d), manifest)
-    if target is not None and t.vocab_size != target[1].vocab_size:
-      raise ValueError(f"drafter data dirs {cfg.data_dirs} come from targets with different vocabularies")
-    target = target or (target_dir, t)
-    manifests.append(manifest)
-    datasets.append(ds)
-    rows += [(list(p) + list(c), len(p), len(rows) + i) for i, (p, c) in enumerate(zip(ds["prompt"],
-                                                                                        ds["continuation"]))]
-  top = max(max(r) for r, _, _ in rows)
-  if top >= target[1].vocab_size:
-    raise ValueError(f"drafter data has token id {top} >= the target's vocab_size {target[1].vocab_size}")
-  order = np.random.default_rng([cfg.seed, 7]).permutation(len(rows))
-  n_val = int(round(cfg.val_fraction * len(rows)))
-  if n_val >= len(rows):
-    raise ValueError(f"val_fraction {cfg.val_fraction} leaves no training rows out of {len(rows)}")
-  return ([rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]], target[0], target[1], manifests,
-          datasets)
-
-
-def make_tap_fn(target, taps, place=lambda params: params):
-  """Jitted frozen-target forward: tokens [B, C] -> taps [B, C, n, H]. place: puts the target's parameters where
-  the tokens will be (Run.replicate for a batch sharded over a mesh)."""
-  graphdef, params = nnx.split(target)
-  params = place(params)
-
-  @jax.jit
-  def fn(p, tokens):
-    return nnx.merge(graphdef, p)(tokens, mode="train", taps=taps, return_logits=False).taps
-  return lambda tokens: fn(params, tokens)
+  data, target_dir, target_cfg = load_data_dirs(cfg.data_dirs, cfg.target_dir)
+  rows = [(list(p) + list(c), len(p)) for ds, _ in data for p, c in zip(ds["prompt"], ds["continuation"])]
+  rows = [(r, p, i) for i, (r, p) in enumerate(rows)]
+  check_token_ids([r for r, _, _ in rows], target_cfg.vocab_size)
+  train, val = split_indices(len(rows), cfg.seed, cfg.val_fraction)
+  return ([rows[i] for i in train], [rows[i] for i in val], target_dir, target_cfg, [m for _, m in data],
+          [ds for ds, _ in data])
 
 
 def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
@@ -219,7 +180,7 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
                            mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id, **cfg.model)
   cached = open_row_taps(cfg.data_dirs, datasets, taps=dcfg.taps, weights_id=weights_sha256(target_dir),
                          mode=cfg.features)
-  pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
+  pad_id = pad_token(target_cfg)
   samplers = block_samplers(train_rows, cfg, pad_id, np.cumsum([len(ds) for ds in datasets]))
 
   model = create_dflash(dcfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype))
@@ -257,11 +218,10 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
     return cfg.batch_size * samplers[step % len(samplers)].cfg.context_len
 
   t0 = time.time()
-  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=tokens_fn, desc="train-drafter dflash"):
-    return run.out / "checkpoints"
-  trained = nnx.merge(graphdef, run.local_params())
-  if not is_main_process():  # process 0 exports
-    return run.out / "final"
+  trained, stopped = train_to_export(run, loss_fn, batch_fn, tokens_fn=tokens_fn, desc="train-drafter dflash")
+  if stopped:
+    return stopped
+  trained = nnx.merge(graphdef, trained)
   if scale is not None:
     fold_input_scale(trained.fc, scale)
   return export_dflash(trained, cfg, target, target_dir, manifests, val_rows, pad_id, time.time() - t0, cached)
@@ -292,18 +252,6 @@ def tap_scale(sampler: BlockSampler, window_taps, batch_size: int, num_batches: 
     real = np.asarray(batch["tokens"]) != sampler.pad_id
     taps.append(np.abs(np.asarray(batch["taps"], np.float32)[real]))
   return inverse_median_scale(taps)
-
-
-def inverse_median_scale(abs_taps: list[np.ndarray]) -> np.ndarray:
-  """1 / median over rows of |tap| ([rows, ...] arrays, concatenated), floored at 1e-3, float32."""
-  return (1.0 / np.maximum(np.median(np.concatenate(abs_taps), axis=0), 1e-3)).astype(np.float32)
-
-
-def fold_input_scale(linear, scale: np.ndarray) -> None:
-  """linear(x * scale) == linear'(x) with linear' = linear with its input rows scaled: the exported drafter reads
-  raw taps."""
-  kernel = linear.kernel[...]
-  linear.kernel[...] = (kernel.astype(jnp.float32) * jnp.asarray(scale).reshape(-1, 1)).astype(kernel.dtype)
 
 
 def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows, pad_id: int, cached=None) -> dict:
@@ -342,10 +290,8 @@ def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows,
 
 def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target, target_dir: Path, manifests, val_rows,
                   pad_id: int, train_s: float, cached=None) -> Path:
-  out = Path(cfg.out_dir)
-  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
-  last = log[-1] if log else {}
-  final = save_dflash_dir(model, out / "final", dtype=jnp.bfloat16)
+  last = last_logged(cfg.out_dir)
+  final = save_dflash_dir(model, Path(cfg.out_dir) / "final", dtype=jnp.bfloat16)
   info = {
       "kind": "dflash",
       "n0": cfg.context_len,
@@ -362,12 +308,8 @@ def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target, target_dir
       "dir_turns": cfg.dir_turns,
       "gamma": cfg.gamma,
       "tokens_seen": last.get("tokens"),
-      "final_loss": last.get("loss"),
-      "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
-      "parameters": param_count(model),
       "target_taps_from": "feature cache" if cached else "target forward per step",
       "normalize_taps": cfg.normalize_taps,  # trained on taps / median|tap|, the scale folded into fc
       **validation_metrics(model, target, cfg, val_rows, pad_id, cached),
   }
-  (final / "drafter.json").write_text(json.dumps(info, indent=2))
-  return final
+  return write_drafter_json(final, info, last=last, train_s=train_s, model=model)

@@ -13,9 +13,7 @@ earlier speculative rows). Loss = sum_j decay^j CE_j / sum_j decay^j.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-import types
 from pathlib import Path
 
 import jax
@@ -24,19 +22,19 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax.attention import NEG_INF
-from longspec_jax.distributed import is_main_process
 from longspec_jax.drafters.eagle3 import (Eagle3Net, create_eagle3_net, default_aux_layers, drafter_config,
                                           save_eagle3)
 from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
-from longspec_jax.training.train_drafter import _split_ids, _target_config
-from longspec_jax.training.trainer import OptimConfig, start_run
+from longspec_jax.training.drafter_common import (data_target, draw_windows, last_logged, pad_token, split_rows,
+                                                   train_to_export, write_drafter_json)
+from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3TrainConfig:
+class Eagle3TrainConfig(RunConfig):
   # make-drafter-data outputs; incomplete ones (no manifest.json + dataset/) are skipped, at least one must exist
   data_dirs: tuple[str, ...] = ("runs/drafter_data",)
   target_dir: str = ""  # "" = the target recorded in the data's manifest
@@ -57,18 +55,11 @@ class Eagle3TrainConfig:
   optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
   val_fraction: float = 0.05
   val_windows: int = 64
-  seed: int = 0
   compute_dtype: str = "bfloat16"
   attn_block: int = 512
-  checkpoint_every_minutes: float = 5.0
-  log_every: int = 10
-  mesh_data: int = 0  # 0 = all devices
-  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
 
   def __post_init__(self):
-    for name in ("context_len", "ttt_steps", "batch_size", "steps", "val_windows"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    self.require_positive("context_len", "ttt_steps", "batch_size", "steps", "val_windows")
     if self.context_len < self.ttt_steps + 2:
       raise ValueError(f"context_len ({self.context_len}) must be >= ttt_steps + 2 ({self.ttt_steps + 2})")
     if not 0 < self.step_decay <= 1 or not 0 <= self.val_fraction < 1:
@@ -96,12 +87,8 @@ class Windows:
     self.width, self.seed = width, seed
 
   def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
-    """Rows `rows` of step `step`'s batch (a process builds only its own; every random draw is for the whole
-    batch, so the rows do not depend on how the batch is split)."""
-    rng = np.random.default_rng([self.seed, step])
-    picks = rng.integers(0, len(self.lens), size=batch_size)
-    offs = np.asarray([rng.integers(0, max(self.lens[r] - self.width, 0) + 1) for r in picks])
-    picks, offs = picks[rows], offs[rows]
+    """Rows `rows` of step `step`'s batch (see draw_windows)."""
+    _, picks, offs, _ = draw_windows(self.lens, self.seed, step, batch_size, self.width, rows)
     cols = offs[:, None] + np.arange(self.width)[None, :]
     toks = np.take_along_axis(self.tokens[picks], cols, axis=1)
     valid = np.minimum(self.lens[picks] - offs, self.width).astype(np.int32)
@@ -228,17 +215,16 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
 
   data = _load_data(cfg)
   first_dir, _, manifest = data[0]
-  target_dir, target_cfg = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=first_dir),
-                                          manifest)
+  target_dir, target_cfg = data_target(manifest, first_dir, cfg.target_dir)
   train_rows, val_rows, train_ids, val_ids, first = [], [], [], [], 0
   for _, ds, _ in data:  # row ids number the rows of all data dirs in order (the feature caches' numbering)
-    rows, tr, va = _split_ids(ds, cfg, target_cfg.vocab_size)
+    rows, tr, va = split_rows(ds, cfg, target_cfg.vocab_size)
     train_rows += [rows[i] for i in tr]
     val_rows += [rows[i] for i in va]
     train_ids += list(first + tr)
     val_ids += list(first + va)
     first += len(rows)
-  pad_id = target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.eos_token_id or 0
+  pad_id = pad_token(target_cfg)
   sampler = Windows(train_rows, cfg.context_len, pad_id, cfg.seed, train_ids)
   aux = tuple(cfg.aux_layers) or default_aux_layers(target_cfg.num_hidden_layers)
   draft_ids = draft_vocab_ids(train_rows, target_cfg.vocab_size, cfg.draft_vocab_size)
@@ -277,14 +263,12 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
     return {**rows, "frozen": frozen}
 
   t0 = time.time()
-  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
-                   desc="train-eagle3"):
-    return run.out / "checkpoints"
-  trained = nnx.merge(graphdef, run.local_params())
-  if not is_main_process():  # process 0 exports
-    return run.out / "final"
-  return export_eagle3(trained, target, cfg, aux, target_dir, data, (val_rows, val_ids), pad_id, draft_ids,
-                       cached, time.time() - t0)
+  trained, stopped = train_to_export(run, loss_fn, batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
+                                     desc="train-eagle3")
+  if stopped:
+    return stopped
+  return export_eagle3(nnx.merge(graphdef, trained), target, cfg, aux, target_dir, data, (val_rows, val_ids),
+                       pad_id, draft_ids, cached, time.time() - t0)
 
 
 def draft_vocab_ids(rows, vocab_size: int, size: int) -> np.ndarray:
@@ -336,10 +320,8 @@ def validation_metrics(net, target, cfg: Eagle3TrainConfig, aux, rows, pad_id: i
 def export_eagle3(net, target, cfg: Eagle3TrainConfig, aux, target_dir: Path, data, val_rows, pad_id: int,
                   draft_ids, cached, train_s: float) -> Path:
   """Public-layout directory (bf16) plus drafter.json describing how it was trained."""
-  out = Path(cfg.out_dir)
-  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
-  last = log[-1] if log else {}
-  final = save_eagle3(net, out / "final", aux, target.cfg, n0=cfg.context_len,
+  last = last_logged(cfg.out_dir)
+  final = save_eagle3(net, Path(cfg.out_dir) / "final", aux, target.cfg, n0=cfg.context_len,
                       d2t=np.asarray(draft_ids) - np.arange(len(draft_ids)))
   info = {
       "kind": "eagle3",
@@ -355,14 +337,10 @@ def export_eagle3(net, target, cfg: Eagle3TrainConfig, aux, target_dir: Path, da
       "ttt_steps": cfg.ttt_steps,
       "step_decay": cfg.step_decay,
       "tokens_seen": last.get("tokens"),
-      "final_loss": last.get("loss"),
       "final_ce_per_step": [last.get(f"ce_{j}") for j in range(cfg.ttt_steps)],
       "final_train_acc_per_step": [last.get(f"acc_{j}") for j in range(cfg.ttt_steps)],
-      "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
-      "parameters": param_count(net),
       "draft_vocab_size": len(draft_ids),
       "target_taps_from": "feature cache" if cached else "target forward per step",
       **validation_metrics(net, target, cfg, aux, val_rows, pad_id, draft_ids, cached),
   }
-  (final / "drafter.json").write_text(json.dumps(info, indent=2))
-  return final
+  return write_drafter_json(final, info, last=last, train_s=train_s, model=net)

@@ -18,10 +18,8 @@ The Markov term is teacher-forced: slot j's previous token is x_{a+j}.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
-import types
 from pathlib import Path
 
 import jax
@@ -30,25 +28,24 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
-from longspec_jax.attention import masked_attention
-from longspec_jax.distributed import is_main_process
-from longspec_jax.drafters.dflash import head_logits
-from longspec_jax.drafters.longspark import (LongSparkModel, _final_norm, create_longspark, longspark_config_for,
-                                             longspark_io, merge_rows, save_longspark_dir)
+from longspec_jax.attention import dense_masked_attention
+from longspec_jax.drafters.frozen_target import apply_final_norm, head_logits, target_io
+from longspec_jax.drafters.longspark import (LongSparkModel, create_longspark, longspark_config_for, merge_rows,
+                                             save_longspark_dir)
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
 from longspec_jax.rope import apply_rope, rope_frequencies
-from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_views
-from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
+from longspec_jax.pallas_kernels.length_masked_attention import merge_attention_views
+from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
 from longspec_jax.training.losses import cross_entropy
-from longspec_jax.training.train_dflash import fold_input_scale, inverse_median_scale
-from longspec_jax.training.train_drafter import _target_config
-from longspec_jax.training.trainer import OptimConfig, start_run
+from longspec_jax.training.drafter_common import (fold_input_scale, inverse_median_scale, last_logged,
+                                                   load_data_dirs, train_to_export, write_drafter_json)
+from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class LongSparkTrainConfig:
+class LongSparkTrainConfig(RunConfig):
   data_dirs: tuple[str, ...] = ("runs/drafter_data_long",)
   target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
   out_dir: str = "runs/drafter_longspark"
@@ -73,20 +70,13 @@ class LongSparkTrainConfig:
   optim: OptimConfig = OptimConfig(lr=2e-3, warmup_steps=50)
   val_windows: int = 8  # whole windows of the first data dir held out
   max_windows: tuple[int, ...] = ()  # per data dir: use only its first N rows (0 or absent = all; bounds the cache)
-  seed: int = 0
   compute_dtype: str = "bfloat16"
-  checkpoint_every_minutes: float = 5.0
-  log_every: int = 10
-  mesh_data: int = 0  # 0 = all devices
-  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
   # >0: half the windows are moved to a random start in [0, position_shift_max - length] (see _shift_window).
   position_shift_max: int = 0
 
   def __post_init__(self):
-    for name in ("num_layers", "block_size", "num_global_slots", "raw_window", "anchors_per_window",
-                 "batch_size", "steps"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    self.require_positive("num_layers", "block_size", "num_global_slots", "raw_window", "anchors_per_window",
+                          "batch_size", "steps")
     if not 0.0 <= self.anywhere_fraction <= 1.0:
       raise ValueError(f"anywhere_fraction must be in [0, 1], got {self.anywhere_fraction}")
     if self.gamma <= 0 or self.markov_rank < 0 or self.val_windows < 0:
@@ -143,14 +133,14 @@ def longspark_train_logits(model: LongSparkModel, io, boundary, anchors, g_out, 
                     preferred_element_type=jnp.float32) * d ** -0.5
     l_g = jax.nn.logsumexp(lg, axis=-1)
     o_g = jnp.einsum("bajhs,bahsd->bajhd", jnp.exp(lg - l_g[..., None]), g_vals[:, :, li])
-    o_r, l_r = masked_attention(q, slab_k[li].astype(q.dtype), slab_v[li].astype(q.dtype), raw_visible,
-                                return_lse=True)
-    o_b, l_b = masked_attention(q, k, v, local_visible, return_lse=True)
+    o_r, l_r = dense_masked_attention(q, slab_k[li].astype(q.dtype), slab_v[li].astype(q.dtype), raw_visible,
+                                      return_lse=True)
+    o_b, l_b = dense_masked_attention(q, k, v, local_visible, return_lse=True)
     o_g = o_g.reshape(b, na * bs, hq, d).astype(q.dtype)
     return merge_attention_views([o_g, o_r, o_b], [l_g.reshape(b, na * bs, hq), l_r, l_b])[0]
 
   h = model.block_hidden(x, pos, attend)
-  logits = head_logits(io, _final_norm(io, h)).reshape(b, na, bs, -1)
+  logits = head_logits(io, apply_final_norm(io, h)).reshape(b, na, bs, -1)
   return logits + model.markov_bias(prev)
 
 
@@ -284,21 +274,14 @@ class AnchorSampler:
     return out
 
 
-def _load_rows(data_dir, cfg):
-  ds, manifest = load_drafter_data(data_dir)
-  target_dir, t = _target_config(types.SimpleNamespace(target_dir=cfg.target_dir, data_dir=data_dir), manifest)
-  rows = [(list(p) + list(c), len(p)) for p, c in zip(ds["prompt"], ds["continuation"])]
-  i = cfg.data_dirs.index(data_dir)
-  limit = cfg.max_windows[i] if i < len(cfg.max_windows) else 0
-  return rows[:limit or None], manifest, target_dir, t, len(rows)
-
-
 def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   """Trains LongSpark; returns the exported drafter directory (or the checkpoint dir when stopped early)."""
-  loaded = [_load_rows(d, cfg) for d in cfg.data_dirs]
-  target_dir, target_cfg = loaded[0][2], loaded[0][3]
-  if any(l[3].vocab_size != target_cfg.vocab_size for l in loaded):
-    raise ValueError(f"drafter data dirs {cfg.data_dirs} come from targets with different vocabularies")
+  data, target_dir, target_cfg = load_data_dirs(cfg.data_dirs, cfg.target_dir)
+  loaded = []  # per data dir: (rows used = (tokens, prompt length), manifest, rows in the dir)
+  for i, (ds, manifest) in enumerate(data):
+    rows = [(list(p) + list(c), len(p)) for p, c in zip(ds["prompt"], ds["continuation"])]
+    limit = cfg.max_windows[i] if i < len(cfg.max_windows) else 0
+    loaded.append((rows[:limit or None], manifest, len(rows)))
   target = load_model_dir(target_dir)
   dcfg = longspark_config_for(target_cfg, num_layers=cfg.num_layers, markov_rank=cfg.markov_rank,
                               num_global_slots=cfg.num_global_slots, raw_window=cfg.raw_window,
@@ -306,7 +289,7 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
                               mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id, **cfg.model)
   weights_id = weights_sha256(target_dir)
   caches = []
-  for d, (rows, _, _, _, num_rows) in zip(cfg.data_dirs, loaded):
+  for d, (rows, _, num_rows) in zip(cfg.data_dirs, loaded):
     # Built once (resumable) for the rows used; a cache that make-drafter-data built with these layers is reused.
     layers = dcfg.target_layer_ids
     build_feature_cache(d, target, [i + 1 for i in layers], layers, weights_id=weights_id, num_rows=len(rows))
@@ -326,7 +309,7 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
 
   graphdef, params = nnx.split(model)
   run = start_run(cfg, params, resume=resume)
-  io = run.replicate(longspark_io(target))
+  io = run.replicate(target_io(target, final_norm=True))
   batch_sharding = shd.batch_sharding(run.mesh)
   kv_sharding = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, "data"))
 
@@ -344,12 +327,11 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
     return longspark_loss(nnx.merge(graphdef, p), batch)
 
   t0 = time.time()
-  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window,
-                   desc="train-drafter longspark"):
-    return run.out / "checkpoints"
-  trained = nnx.merge(graphdef, run.local_params())
-  if not is_main_process():  # process 0 exports
-    return run.out / "final"
+  trained, stopped = train_to_export(run, loss_fn, batch_fn, desc="train-drafter longspark",
+                                     tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window)
+  if stopped:
+    return stopped
+  trained = nnx.merge(graphdef, trained)
   if scale is not None:
     fold_input_scale(trained.draft_state_encoder.proj.fc_in, scale)
   val_sampler = AnchorSampler(caches[0], val, cfg, cfg.seed)
@@ -364,7 +346,7 @@ def validation_metrics(model: LongSparkModel, target, sampler: AnchorSampler, wi
   if len(windows) == 0:
     return {}
   graphdef, params = nnx.split(model)
-  io = longspark_io(target)
+  io = target_io(target, final_norm=True)
   flat = dataclasses.replace(sampler.cfg, gamma=1e9)
   sampler = AnchorSampler(sampler.c, sampler.windows, flat, sampler.seed)
 
@@ -398,10 +380,8 @@ def validation_metrics(model: LongSparkModel, target, sampler: AnchorSampler, wi
 
 def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manifests, val_sampler, val_windows,
                      train_s: float) -> Path:
-  out = Path(cfg.out_dir)
-  log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
-  last = log[-1] if log else {}
-  final = save_longspark_dir(model, out / "final", dtype=jnp.bfloat16)
+  last = last_logged(cfg.out_dir)
+  final = save_longspark_dir(model, Path(cfg.out_dir) / "final", dtype=jnp.bfloat16)
   info = {
       "kind": "longspark",
       "command": " ".join(["longspec" if sys.argv[0].endswith(("cli.py", "longspec")) else sys.argv[0]] + sys.argv[1:]),
@@ -426,10 +406,6 @@ def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manif
       "anywhere_fraction": cfg.anywhere_fraction,
       "gamma": cfg.gamma,
       "anchors_seen": last.get("tokens"),
-      "final_loss": last.get("loss"),
-      "train_wall_s": round(train_s, 1),  # this invocation (a resumed run counts only its own part)
-      "parameters": param_count(model),
       **validation_metrics(model, target, val_sampler, val_windows),
   }
-  (final / "drafter.json").write_text(json.dumps(info, indent=2))
-  return final
+  return write_drafter_json(final, info, last=last, train_s=train_s, model=model)

@@ -52,6 +52,22 @@ class OptimConfig:
   clip_norm: float = 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """The settings `start_run` and `Run` read besides out_dir, batch_size, steps and optim: a base of every drafter
+  trainer's config (a subclass redeclares a field to change its default)."""
+  seed: int = 0
+  checkpoint_every_minutes: float = 5.0
+  log_every: int = 10
+  mesh_data: int = 0  # 0 = all devices
+  stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
+
+  def require_positive(self, *names: str) -> None:
+    for name in names:
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
   warmup = min(cfg.warmup_steps, max(total_steps - 1, 1))
   schedule = optax.warmup_cosine_decay_schedule(

@@ -1,19 +1,51 @@
-"""Drafter registry: method name -> builder(target_model, drafter_dir | None, sharpdraft | None) -> LoadedDrafter.
-
-Later methods register themselves here; `longspec bench --method NAME` and `generate()` callers use it."""
+"""Drafter registry: every drafter module declares its methods (`DRAFTERS = (DrafterEntry(...),)`, see
+registry.py); `longspec bench --method NAME`, `generate()` callers, `train-drafter` and `calibrate-sharpdraft` read
+them here. Importing this package does not import jax: the CLI parser lists method_names()."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from longspec_jax import ASSETS_DIR
+from longspec_jax.drafters.registry import DrafterEntry, read_entries
 
-if TYPE_CHECKING:  # importing the registry must not import jax: the CLI parser lists method_names()
+if TYPE_CHECKING:
   from longspec_jax.drafters.base import LoadedDrafter
 
 SHIPPED_DRAFTERS_DIR = ASSETS_DIR / "drafters"
+ENTRIES: dict[str, DrafterEntry] = read_entries(Path(__file__).parent, __name__)
+
+# Methods whose drafter has attention over a growing key set (SharpDraft applies), and those that read a sparse
+# drafter KV cache under a fixed budget (`--budget N`).
+SHARPDRAFT_METHODS = sorted(e.name for e in ENTRIES.values() if e.sharpdraft)
+BUDGET_METHODS = sorted(e.name for e in ENTRIES.values() if "budget" in e.options)
+
+
+def method_names() -> list[str]:
+  return ["ar"] + sorted(ENTRIES)
+
+
+def drafter_entry(name: str) -> DrafterEntry:
+  """The registry record of method `name` (not "ar": it has no drafter)."""
+  if name not in ENTRIES:
+    raise ValueError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
+  return ENTRIES[name]
+
+
+def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None = None) -> None:
+  """Raises ValueError when an option does not apply to method `name` (jax-free: the CLI calls it before any
+  model loads; load_drafter calls it too)."""
+  from longspec_jax.sharpdraft_names import CHOICES
+  if sharpdraft not in CHOICES:
+    raise ValueError(f"sharpdraft must be one of {CHOICES}, got {sharpdraft!r}")
+  entry = None if name == "ar" else drafter_entry(name)
+  if sharpdraft != "off" and not (entry and entry.sharpdraft):
+    raise ValueError(f"SharpDraft scales drafter attention; method {name!r} has none (it applies to "
+                     f"{', '.join(SHARPDRAFT_METHODS)})")
+  if budget is not None and not (entry and "budget" in entry.options):
+    raise ValueError(f"--budget applies to {', '.join(BUDGET_METHODS)}, not to method {name!r}")
 
 
 def _vocab_size(target) -> int | None:
@@ -32,7 +64,7 @@ def _config_vocab(drafter_dir: Path) -> int | None:
 
 
 def _shipped(name: str, drafter_dir, target=None) -> Path:
-  """`drafter_dir`, else the shipped checkpoint of `name` for this target: `assets/drafters/<name>` is for the
+  """`drafter_dir`, else the shipped checkpoint `name` for this target: `assets/drafters/<name>` is for the
   shipped 8.4M target and `<name>-<target name>` (e.g. dflash-smollm2-135m) for a named one; the one whose
   config.json has the target's vocabulary is chosen."""
   if drafter_dir:
@@ -53,72 +85,13 @@ def _shipped(name: str, drafter_dir, target=None) -> Path:
   return path
 
 
-def _prompt_lookup(target, drafter_dir, sharpdraft):
-  from longspec_jax.drafters.base import LoadedDrafter
-  from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
-  return LoadedDrafter(PromptLookupDrafter(target.cfg.vocab_size))
-
-
-def _standalone(mode):
-  def build(target, drafter_dir, sharpdraft):
-    from longspec_jax.drafters.standalone import load_standalone
-    return load_standalone(_shipped("pard", drafter_dir, target), mode, sharpdraft=sharpdraft)
-  return build
-
-
-def _dflash(target, drafter_dir, sharpdraft):
-  from longspec_jax.drafters.dflash import load_dflash
-  return load_dflash(_shipped("dflash", drafter_dir, target), target, sharpdraft=sharpdraft)
-
-
-def _eagle3(target, drafter_dir, sharpdraft):
-  from longspec_jax.drafters.eagle3 import load_eagle3
-  return load_eagle3(_shipped("eagle3", drafter_dir, target), target, sharpdraft=sharpdraft)
-
-
-def _dels(target, drafter_dir, sharpdraft):
-  from longspec_jax.drafters.dels import load_dels
-  return load_dels(_shipped("dels", drafter_dir, target), target)
-
-
-def _longspark(target, drafter_dir, sharpdraft):
-  from longspec_jax.drafters.longspark import load_longspark
-  return load_longspark(_shipped("longspark", drafter_dir, target), target)
-
-
-def _budget(target, drafter_dir, sharpdraft, budget: int = 256):
-  from longspec_jax.drafters.budget import load_budget
-  return load_budget(_shipped("budgetdraft", drafter_dir, target), budget)
-
-
-BUILDERS: dict[str, Callable] = {
-    "dflash": _dflash,
-    "eagle3": _eagle3,
-    "prompt-lookup": _prompt_lookup,
-    "standalone": _standalone("classic"),
-    "pard": _standalone("pard"),
-    "dels": _dels,
-    "longspark": _longspark,
-    "budget": _budget,  # BudgetDraft; `--drafter assets/drafters/pard` = the same rule on an untrained drafter
-}
-
-
-# Methods whose drafter has attention over a growing key set (SharpDraft applies) -> their shipped drafter dir.
-ATTENTION_DRAFTERS = {"dflash": "dflash", "eagle3": "eagle3", "standalone": "pard", "pard": "pard"}
-
-
-def method_names() -> list[str]:
-  return ["ar"] + sorted(BUILDERS)
-
-
 def drafter_path(name: str, drafter_dir=None, target=None) -> Path:
   """The checkpoint directory a method's drafter loads from (`drafter_dir` or the one shipped for `target`, a
-  model or its config; None = the shipped 8.4M target)."""
-  return _shipped(ATTENTION_DRAFTERS.get(name, name), drafter_dir, target)
-
-
-# Methods that read a sparse drafter KV cache under a fixed budget (`--budget N`).
-BUDGET_DRAFTERS = ("budget",)
+  model or its config; None = the shipped 8.4M target). FileNotFoundError for a method that loads none."""
+  checkpoint = drafter_entry(name).checkpoint
+  if checkpoint is None:
+    raise FileNotFoundError(f"method {name!r} loads no drafter checkpoint")
+  return _shipped(checkpoint, drafter_dir, target)
 
 
 def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
@@ -127,18 +100,14 @@ def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
 
   drafter_dir: a trained checkpoint directory (None = the one shipped for the default target).
   sharpdraft: "off" | "fixed" | "exact" (reads sharpdraft.json beside the drafter checkpoint).
-  budget: drafter KV entries kept from the prompt (BUDGET_DRAFTERS only; None = their default, 256)."""
-  from longspec_jax.sharpdraft import CHOICES, load_sharpdraft
-  if sharpdraft not in CHOICES:
-    raise ValueError(f"sharpdraft must be one of {CHOICES}, got {sharpdraft!r}")
-  if name != "ar" and name not in BUILDERS:
-    raise ValueError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
-  if sharpdraft != "off" and name not in ATTENTION_DRAFTERS:
-    raise ValueError(f"SharpDraft scales drafter attention; method {name!r} has none (it applies to "
-                     f"{', '.join(sorted(ATTENTION_DRAFTERS))})")
-  if budget is not None and name not in BUDGET_DRAFTERS:
-    raise ValueError(f"--budget applies to {', '.join(BUDGET_DRAFTERS)}, not to method {name!r}")
-  if name == "ar":
+  budget: drafter KV entries kept from the prompt (BUDGET_METHODS only; None = their default, 256)."""
+  from longspec_jax.sharpdraft import load_sharpdraft
+  check_drafter_options(name, sharpdraft, budget)
+  entry = None if name == "ar" else drafter_entry(name)
+  if entry is None:
     return None
-  sd = load_sharpdraft(drafter_path(name, drafter_dir, target), sharpdraft, name) if sharpdraft != "off" else None
-  return BUILDERS[name](target, drafter_dir, sd, **({"budget": budget} if budget is not None else {}))
+  path = drafter_path(name, drafter_dir, target) if entry.checkpoint else None
+  options = {"budget": budget} if budget is not None else {}
+  if entry.sharpdraft:
+    options["sharpdraft"] = load_sharpdraft(path, sharpdraft, name) if sharpdraft != "off" else None
+  return entry.load(path, target, **options)

@@ -60,9 +60,10 @@ class Drafter(Protocol):
   taps: tuple[int, ...]  # target residual-stream indices the drafter reads (() = none)
   needs_target_kv: bool  # whether verify/prefill results must carry the target's written K/V
   vocab_size: int
-  # Optional: `max_draft_tokens`, the most drafts one proposal can hold (block drafters); unbounded when absent.
-  # Optional: `diagnostics(params, state, ctx) -> dict[str, Array]`, numbers about how the drafter uses its state
-  # (e.g. LongSpark's attention mass per view), recorded by the bench suite once per prompt after prefill.
+  max_draft_tokens: int | None  # the most drafts one proposal can hold (a block drafter's block); None: unbounded
+  # Optional capabilities are declared by the method's registry entry (registry.DrafterEntry): `diagnostics(params,
+  # state, ctx) -> dict[str, Array]` (entry.diagnostics; e.g. LongSpark's attention mass per view, recorded by the
+  # bench suite) and `attention_logits(params, target, tokens)` (entry.sharpdraft; SharpDraft calibration).
 
   def init_state(self, params, prefill: PrefillResult, max_len: int) -> Any: ...
 
@@ -84,7 +85,13 @@ DEFAULT_NUM_DRAFT = 8
 
 def default_num_draft(spec) -> int:
   """K when the caller gives none: 8, or the drafter's block limit if smaller (LongSpark drafts at most 7)."""
-  return min(DEFAULT_NUM_DRAFT, getattr(spec, "max_draft_tokens", DEFAULT_NUM_DRAFT))
+  limit = max_draft_tokens(spec)
+  return DEFAULT_NUM_DRAFT if limit is None else min(DEFAULT_NUM_DRAFT, limit)
+
+
+def max_draft_tokens(spec) -> int | None:
+  """The most drafts one proposal of `spec` can hold (its declared `max_draft_tokens`); None = unbounded."""
+  return spec.max_draft_tokens
 
 
 def state_nbytes(state) -> int:

@@ -30,16 +30,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from longspec_jax.attention import masked_attention
+from longspec_jax.attention import dense_masked_attention
 from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.drafters.standalone import pick_token
 from longspec_jax.rope import rope_frequencies
-from longspec_jax.pallas_kernels.query_scaled_attention import (merge_attention_views, query_scaled_attention,
-                                                                select_chunks)
+from longspec_jax.pallas_kernels.length_masked_attention import (length_masked_attention, merge_attention_views,
+                                                                 select_chunks)
 from longspec_jax.pallas_kernels.sparse_kv_gather import chunk_positions, gather_kv_chunks
 
 CHUNK = 8  # tokens per selectable chunk (the paper's chunk size)
 _LAST = 2 ** 30  # sorts empty slots (-1) after every real chunk index
+# `--drafter assets/drafters/pard` runs the same rule on the untrained (not multi-view) drafter.
+DRAFTERS = (DrafterEntry(name="budget", loader="load_for_target", checkpoint="budgetdraft", options=("budget",),
+                         trainer="longspec_jax.training.train_budget:BudgetTrainConfig:train_budget"),)
 
 
 @flax.struct.dataclass
@@ -103,6 +107,7 @@ class BudgetDrafter:
   name: str = "budget"
   taps: tuple = ()
   needs_target_kv: bool = False
+  max_draft_tokens = None  # any K: one token per step
 
   def __post_init__(self):
     check_budget(self.budget)
@@ -151,10 +156,10 @@ class BudgetDrafter:
       q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, rope)
       kt = kt.at[li, rows, slot].set(k.astype(kt.dtype), mode="drop")
       vt = vt.at[li, rows, slot].set(v.astype(vt.dtype), mode="drop")
-      o_sel, lse_sel = query_scaled_attention(q, state.k_sel[li].astype(q.dtype), state.v_sel[li].astype(q.dtype),
-                                              state.num_sel)
-      o_tail, lse_tail = masked_attention(q, kt[li].astype(q.dtype), vt[li].astype(q.dtype), visible,
-                                          return_lse=True)
+      o_sel, lse_sel = length_masked_attention(q, state.k_sel[li].astype(q.dtype), state.v_sel[li].astype(q.dtype),
+                                               state.num_sel)
+      o_tail, lse_tail = dense_masked_attention(q, kt[li].astype(q.dtype), vt[li].astype(q.dtype), visible,
+                                                return_lse=True)
       o, _ = merge_attention_views([o_sel, o_tail], [lse_sel, lse_tail])
       x = x + layer.self_attn.out(o)
       x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -203,3 +208,8 @@ def load_budget(drafter_dir, budget: int = 256, keep_recent: bool | None = None)
   if keep_recent is None:
     keep_recent = meta.get("budget_keep_recent", True)
   return budget_from_model(load_model_dir(drafter_dir), budget, keep_recent)
+
+
+def load_for_target(drafter_dir, target, budget: int = 256) -> LoadedDrafter:
+  del target  # the drafter reads only tokens
+  return load_budget(drafter_dir, budget)

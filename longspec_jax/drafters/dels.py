@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longspec_jax.config import read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.drafters.dflash import DFlashDrafter, load_dflash
+from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.sampling import processed_log_probs
 
 ARCHITECTURE = "DeLSLocalHead"
@@ -44,6 +46,8 @@ ACTIVATIONS = ("identity", "silu")
 # Public state-dict name -> our head pytree key.
 TENSOR_NAMES = {"embed_tokens.weight": "emb", "prefix_gru.weight_ih_l0": "w_ih", "prefix_gru.weight_hh_l0": "w_hh",
                 "rank_proj.weight": "rank", "low_rank_lm_head.weight": "head", "log_prior": "log_prior"}
+DRAFTERS = (DrafterEntry(name="dels", loader="load_dels", checkpoint="dels",
+                         trainer="longspec_jax.training.train_dels:DeLSTrainConfig:train_dels"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +170,10 @@ class DeLSDrafter:
   def vocab_size(self) -> int:
     return self.base.vocab_size
 
+  @property
+  def max_draft_tokens(self) -> int:
+    return self.base.max_draft_tokens  # dels_from_head checks there are alpha/beta for that many positions
+
   def init_state(self, params, prefill, max_len):
     return self.base.init_state(params["base"], prefill, max_len)
 
@@ -259,12 +267,7 @@ def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None) -> LoadedDraf
   from longspec_jax.hf_io import _read_tensors
   drafter_dir = Path(drafter_dir)
   path = drafter_dir / "config.json"
-  if not path.exists():
-    raise FileNotFoundError(f"no DeLS config at {path}")
-  try:
-    conf = json.loads(path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"corrupt config file {path}: {e}") from e
+  conf = read_config_json(path, "DeLS")
   if ARCHITECTURE not in (conf.get("architectures") or []):
     raise ValueError(f"not a DeLS local-head config: {path} (architectures {conf.get('architectures')})")
   mc = conf["model_config"]

@@ -17,7 +17,6 @@ Checkpoints use the layout of the public z-lab DFlash drafters: a Qwen3 `config.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import flax.struct
@@ -26,23 +25,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.config import ModelConfig
+from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.frozen_target import (check_reads_target, default_target_layer_ids, embed_tokens,
+                                                 head_logits, target_io)
+from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import apply_rope, rope_frequencies
 from longspec_jax.sampling import processed_log_probs
-from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention
+from longspec_jax.pallas_kernels.length_masked_attention import length_masked_attention, merge_attention_views
 
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
-
-
-def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
-  """n target layers evenly spaced from layer 1 to layer L-3 (clamped into [0, L-1] for tiny targets)."""
-  last = num_target_layers - 1
-  start = min(1, last)
-  end = min(max(start, num_target_layers - 3), last)
-  return tuple(int(round(x)) for x in np.linspace(start, end, n))
+DRAFTERS = (DrafterEntry(name="dflash", loader="load_dflash", checkpoint="dflash", sharpdraft=True,
+                         trainer="longspec_jax.training.train_dflash:DFlashTrainConfig:train_dflash"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +103,7 @@ class DFlashConfig:
                target_layer_ids=tuple(int(i) for i in extra["target_layer_ids"]), num_target_layers=int(ntl))
 
   def check_target(self, target: ModelConfig) -> None:
-    """A drafter reads the target's hidden states and uses its embedding/LM head: the shapes must agree."""
-    problems = []
-    if self.num_target_layers != target.num_hidden_layers:
-      problems.append(f"trained for a {self.num_target_layers}-layer target, this one has "
-                      f"{target.num_hidden_layers}")
-    for name in ("hidden_size", "vocab_size"):
-      if getattr(self.arch, name) != getattr(target, name):
-        problems.append(f"{name} {getattr(self.arch, name)} vs the target's {getattr(target, name)}")
-    if problems:
-      raise ValueError("DFlash drafter does not match the target: " + "; ".join(problems))
+    check_reads_target("DFlash", self.arch, self.num_target_layers, target, ("hidden_size", "vocab_size"))
 
 
 def dflash_config_for(target: ModelConfig, *, num_layers: int = 2, num_target_taps: int = 5,
@@ -176,24 +163,6 @@ class DFlashModel(nnx.Module):
     return self.norm(x)
 
 
-def target_io(target) -> dict:
-  """The target's frozen embedding (and untied LM head): DFlash embeds its block and reads logits through them."""
-  io = {"embed": target.embed_tokens.embedding[...]}
-  if target.lm_head is not None:
-    io["lm_head"] = target.lm_head.kernel[...]
-  return io
-
-
-def embed_tokens(io, tokens, dtype):
-  return io["embed"][tokens].astype(dtype)
-
-
-def head_logits(io, h):
-  if "lm_head" in io:
-    return jnp.einsum("...h,hv->...v", h, io["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
-  return jnp.einsum("...h,vh->...v", h, io["embed"].astype(h.dtype), preferred_element_type=jnp.float32)
-
-
 @flax.struct.dataclass
 class DFlashState:
   # Context keys / values, one [B, S_max, Hkv, D] buffer per drafter layer (rows >= length are stale): XLA:CPU
@@ -235,18 +204,12 @@ class DFlashDrafter:
     buffers = lambda x: tuple(jnp.zeros(shape, model.dtype).at[:, :t].set(xl.astype(model.dtype)) for xl in x)
     return DFlashState(k=buffers(k), v=buffers(v), length=prefill.prompt_lens.astype(jnp.int32))
 
-  def _query_scale(self, layer, q, num_keys):
-    if self.sharpdraft is None:
-      return q
-    n = jnp.broadcast_to(num_keys[:, None], q.shape[:2])
-    return q * self.sharpdraft.query_scale(layer, n)[..., None].astype(q.dtype)
-
   def block_logits(self, params, state: DFlashState, pending, num_draft: int, record=None):
     """Logits [B, num_draft, V] for the block anchored at the pending token (position state.length).
     `record`, a list, receives per-layer pre-softmax logits [B, Hq, B_s, n_ctx + B_s] (unscaled queries)."""
     bs = self.cfg.block_size
     if not 1 <= num_draft <= bs - 1:
-      raise ValueError(f"num_draft_tokens {num_draft} is outside [1, {bs - 1}] for a DFlash block of {bs}")
+      raise ValueError(f"num_draft {num_draft} is outside [1, {bs - 1}] for a DFlash block of {bs}")
     model = self._model(params)
     b = pending.shape[0]
     toks = jnp.concatenate([pending[:, None], jnp.full((b, bs - 1), self.cfg.mask_token_id, jnp.int32)], 1)
@@ -256,10 +219,11 @@ class DFlashDrafter:
     def attend(li, q, k, v):
       if record is not None:
         record.append(_logits_over(q, jnp.concatenate([state.k[li].astype(k.dtype), k], 1)))
-      q = self._query_scale(li, q, state.length + bs)
-      o_ctx, lse_ctx = query_scaled_attention(q, state.k[li].astype(q.dtype), state.v[li].astype(q.dtype),
-                                              state.length)
-      o_blk, lse_blk = query_scaled_attention(q, k, v, whole_block)
+      if self.sharpdraft is not None:  # every block query sees the context rows and the whole block
+        q = self.sharpdraft.scale_queries(li, q, (state.length + bs)[:, None])
+      o_ctx, lse_ctx = length_masked_attention(q, state.k[li].astype(q.dtype), state.v[li].astype(q.dtype),
+                                               state.length)
+      o_blk, lse_blk = length_masked_attention(q, k, v, whole_block)
       return merge_attention_views([o_ctx, o_blk], [lse_ctx, lse_blk])[0]
 
     h = model.block_hidden(embed_tokens(params["io"], toks, model.dtype), pos, attend)
@@ -327,17 +291,9 @@ def save_dflash_dir(model: DFlashModel, out_dir, dtype=np.float32) -> Path:
 
 
 def load_dflash_model(drafter_dir, dtype=jnp.float32) -> DFlashModel:
-  from longspec_jax.hf_io import _read_tensors, empty_model, load_params_into
-  drafter_dir = Path(drafter_dir)
-  path = drafter_dir / "config.json"
-  if not path.exists():
-    raise FileNotFoundError(f"no DFlash config at {path}")
-  try:
-    cfg = DFlashConfig.from_hf_dict(json.loads(path.read_text()))
-  except json.JSONDecodeError as e:
-    raise ValueError(f"corrupt config file {path}: {e}") from e
-  model = empty_model(lambda: DFlashModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-  return load_params_into(model, _read_tensors(drafter_dir), where=f" {drafter_dir}", prefix="")
+  from longspec_jax.hf_io import load_drafter_weights
+  cfg = DFlashConfig.from_hf_dict(read_config_json(Path(drafter_dir) / "config.json", "DFlash"))
+  return load_drafter_weights(drafter_dir, lambda: DFlashModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
 
 
 def load_dflash(drafter_dir, target, sharpdraft=None) -> LoadedDrafter:

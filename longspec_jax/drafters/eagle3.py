@@ -33,8 +33,9 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax.attention import NEG_INF, causal_attention, extend_attention
-from longspec_jax.config import ModelConfig
+from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.kv_cache import KVCache
 from longspec_jax.model import MLP, Attention, Linear, RMSNorm
 from longspec_jax.rope import rope_frequencies
@@ -44,6 +45,8 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 # config.json keys of the EAGLE-3 layout on top of a Llama config (n0: the context length it was trained at).
 EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
               "norm_before_residual", "n0")
+DRAFTERS = (DrafterEntry(name="eagle3", loader="load_eagle3", checkpoint="eagle3", sharpdraft=True,
+                         trainer="longspec_jax.training.train_eagle3:Eagle3TrainConfig:train_eagle3"),)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -90,14 +93,6 @@ class Eagle3Net(nnx.Module):
     return self.lm_head(self.norm(h)).astype(jnp.float32)
 
 
-def _scale_queries(q, positions, sharpdraft):
-  """SharpDraft hook: multiply each query by a factor of the number of keys it sees (after q-norm and RoPE)."""
-  if sharpdraft is None:
-    return q
-  scale = sharpdraft.query_scale(0, positions + 1)  # [B, T, Hq] float32
-  return (q.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
-
-
 def run_cached(net: Eagle3Net, embeds, feature, positions, cache: KVCache, mode: str, sharpdraft=None,
                attn_block: int = 512):
   """Runs rows [B, T] at `positions` and writes their K/V into the drafter cache. mode "prefill": the rows are
@@ -106,7 +101,8 @@ def run_cached(net: Eagle3Net, embeds, feature, positions, cache: KVCache, mode:
   layer = net.midlayer
   x, residual = layer.inputs(embeds, feature)
   q, k, v = layer.self_attn.qkv(x, positions, rope_frequencies(net.cfg, jnp.max(positions)))
-  q = _scale_queries(q, positions, sharpdraft)
+  if sharpdraft is not None:  # the query of row p sees rows 0..p
+    q = sharpdraft.scale_queries(0, q, positions + 1)
   if mode == "prefill":
     cache = cache.write_prefix(0, k, v)
     o = causal_attention(q, k, v, block=attn_block)
@@ -130,10 +126,11 @@ class Eagle3Drafter:
   vocab_size: int  # the target's vocabulary
   draft_vocab_size: int
   dtype: str = "float32"
-  sharpdraft: object | None = None  # static, hashable; see _scale_queries
+  sharpdraft: object | None = None  # static, hashable; applied in run_cached
   attn_block: int = 512
   name: str = "eagle3"
   needs_target_kv: bool = False
+  max_draft_tokens = None  # any K: a chain of single-token steps
 
   # params = {"net": nnx.State of Eagle3Net, "embed": the target's [V, H] embedding, "d2t": [draft_vocab] int32}
   def _net(self, params) -> Eagle3Net:
@@ -286,13 +283,7 @@ def load_eagle3(drafter_dir, target, sharpdraft=None) -> LoadedDrafter:
   from longspec_jax.hf_io import _read_tensors, empty_model, load_params_into
 
   drafter_dir = Path(drafter_dir)
-  path = drafter_dir / "config.json"
-  if not path.exists():
-    raise FileNotFoundError(f"no EAGLE-3 config.json in {drafter_dir}")
-  try:
-    d = json.loads(path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"corrupt EAGLE-3 config {path}: {e}") from e
+  d = read_config_json(drafter_dir / "config.json", "EAGLE-3")
   extra = {k: d.pop(k) for k in EAGLE_KEYS if k in d}
   cfg = ModelConfig.from_hf_dict(d)
   tcfg = target.cfg

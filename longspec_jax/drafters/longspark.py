@@ -24,7 +24,6 @@ parallel_qwen_layers.{i}.* with Qwen3 names, global16_raw256_reference.global_qu
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import flax.struct
@@ -33,13 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.config import ModelConfig
+from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
-from longspec_jax.drafters.dflash import default_target_layer_ids, embed_tokens, head_logits, target_io
+from longspec_jax.drafters.frozen_target import (apply_final_norm, check_reads_target, default_target_layer_ids,
+                                                 embed_tokens, head_logits, target_io)
+from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.sampling import processed_log_probs
-from longspec_jax.pallas_kernels.query_scaled_attention import merge_attention_views, query_scaled_attention
+from longspec_jax.pallas_kernels.length_masked_attention import length_masked_attention, merge_attention_views
 
 ARCHITECTURE = "LongSparkDraftModel"
 LONGSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_global_slots", "raw_window",
@@ -47,6 +48,8 @@ LONGSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_global
 PREFILL_CHUNK = 512  # rows per step of the prefill scan over the prompt's K/V
 # Our parameter names -> the public checkpoint's (FeedForward is nn.Sequential(Linear, SiLU, Linear) there).
 _RENAMES = ((".fc_in.", ".net.0."), (".fc_out.", ".net.2."))
+DRAFTERS = (DrafterEntry(name="longspark", loader="load_longspark", checkpoint="longspark", diagnostics=True,
+                         trainer="longspec_jax.training.train_longspark:LongSparkTrainConfig:train_longspark"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,15 +114,8 @@ class LongSparkConfig:
 
   def check_target(self, target: ModelConfig) -> None:
     """The drafter reads the target's hidden states and K/V, and uses its embedding, final norm and LM head."""
-    problems = []
-    if self.num_target_layers != target.num_hidden_layers:
-      problems.append(f"trained for a {self.num_target_layers}-layer target, this one has "
-                      f"{target.num_hidden_layers}")
-    for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
-      if getattr(self.arch, name) != getattr(target, name):
-        problems.append(f"{name} {getattr(self.arch, name)} vs the target's {getattr(target, name)}")
-    if problems:
-      raise ValueError("LongSpark drafter does not match the target: " + "; ".join(problems))
+    check_reads_target("LongSpark", self.arch, self.num_target_layers, target,
+                       ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
 
 
 def longspark_config_for(target: ModelConfig, *, num_layers: int = 5, markov_rank: int = 0,
@@ -344,11 +340,11 @@ class LongSparkDrafter:
     g_vals = state.g_out.reshape(b, -1, a.num_attention_heads, gs, a.head_dim).transpose(1, 0, 3, 2, 4)
 
     def attend(li, q, k, v):
-      o_g, l_g = query_scaled_attention(q, jnp.broadcast_to(g_keys[li], (b,) + g_keys.shape[1:]).astype(q.dtype),
-                                        g_vals[li].astype(q.dtype), jnp.full((b,), gs, jnp.int32))
-      o_r, l_r = query_scaled_attention(q, state.ring_k[li].astype(q.dtype), state.ring_v[li].astype(q.dtype),
-                                        raw_len)
-      o_b, l_b = query_scaled_attention(q, k, v, jnp.full((b,), bs, jnp.int32))
+      o_g, l_g = length_masked_attention(q, jnp.broadcast_to(g_keys[li], (b,) + g_keys.shape[1:]).astype(q.dtype),
+                                         g_vals[li].astype(q.dtype), jnp.full((b,), gs, jnp.int32))
+      o_r, l_r = length_masked_attention(q, state.ring_k[li].astype(q.dtype), state.ring_v[li].astype(q.dtype),
+                                         raw_len)
+      o_b, l_b = length_masked_attention(q, k, v, jnp.full((b,), bs, jnp.int32))
       out, lse = merge_attention_views([o_g, o_r, o_b], [l_g, l_r, l_b])
       if record is not None:
         record.append(jnp.exp(jnp.stack([l_g, l_r, l_b], -1) - lse[..., None]))
@@ -356,7 +352,7 @@ class LongSparkDrafter:
 
     x = model.block_input(params["io"], pending, state.hidden)
     h = model.block_hidden(x, pos, attend)
-    return head_logits(params["io"], _final_norm(params["io"], h))
+    return head_logits(params["io"], apply_final_norm(params["io"], h))
 
   def diagnostics(self, params, state, ctx):
     """Attention mass of the next block's queries on (Global, Raw, Local) per drafter layer, [L, 3] (mean over
@@ -368,7 +364,7 @@ class LongSparkDrafter:
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
     bs = self.cfg.block_size
     if not 1 <= num_draft <= bs:
-      raise ValueError(f"num_draft_tokens {num_draft} is outside [1, {bs}] for a LongSpark block of {bs}")
+      raise ValueError(f"num_draft {num_draft} is outside [1, {bs}] for a LongSpark block of {bs}")
     pending = ctx.pending
     base = self.block_logits(params, state, pending)[:, :num_draft]
     model = self._model(params)
@@ -414,18 +410,6 @@ class LongSparkDrafter:
                           length=(verify.num_tokens - 1).astype(jnp.int32))
 
 
-def _final_norm(io, h):
-  """The target's frozen final RMSNorm (the drafter has none of its own)."""
-  x32 = h.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + io["norm_eps"])
-  return (io["norm"].astype(jnp.float32) * y).astype(h.dtype)
-
-
-def longspark_io(target) -> dict:
-  """The target's frozen parts the drafter reads: embedding, LM head (when untied) and final norm."""
-  return dict(target_io(target), norm=target.norm.scale[...], norm_eps=jnp.float32(target.norm.eps))
-
-
 def longspark_from_model(model: LongSparkModel, target) -> LoadedDrafter:
   """The drafter for `target`. Its block queries take the target's RoPE (e.g. YaRN when the target runs past its
   trained context), because they attend to the target's own rotated keys in the Raw window."""
@@ -437,7 +421,7 @@ def longspark_from_model(model: LongSparkModel, target) -> LoadedDrafter:
     model.cfg = dataclasses.replace(model.cfg, arch=arch)
     graphdef, state = nnx.split(model)
   return LoadedDrafter(LongSparkDrafter(graphdef=graphdef, cfg=model.cfg),
-                       {"drafter": state, "io": longspark_io(target)})
+                       {"drafter": state, "io": target_io(target, final_norm=True)})
 
 
 def create_longspark(cfg: LongSparkConfig, seed: int = 0, dtype=jnp.float32) -> LongSparkModel:
@@ -450,6 +434,12 @@ def _public_name(name: str) -> str:
   return name
 
 
+def _our_name(name: str) -> str:
+  for ours, theirs in _RENAMES:
+    name = name.replace(theirs, ours)
+  return name
+
+
 def save_longspark_dir(model: LongSparkModel, out_dir, dtype=np.float32) -> Path:
   """config.json + model.safetensors with the public LongSpark tensor names (torch [out, in] layout)."""
   from longspec_jax.hf_io import save_drafter_dir, to_hf_tensors
@@ -458,24 +448,9 @@ def save_longspark_dir(model: LongSparkModel, out_dir, dtype=np.float32) -> Path
 
 
 def load_longspark_model(drafter_dir, dtype=jnp.float32) -> LongSparkModel:
-  from longspec_jax.hf_io import _read_tensors, empty_model, load_params_into
-  drafter_dir = Path(drafter_dir)
-  path = drafter_dir / "config.json"
-  if not path.exists():
-    raise FileNotFoundError(f"no LongSpark config at {path}")
-  try:
-    cfg = LongSparkConfig.from_hf_dict(json.loads(path.read_text()))
-  except json.JSONDecodeError as e:
-    raise ValueError(f"corrupt config file {path}: {e}") from e
-  model = empty_model(lambda: LongSparkModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-  theirs = _read_tensors(drafter_dir)
-  ours = {}
-  for name in theirs:
-    mine = name
-    for o, t in _RENAMES:
-      mine = mine.replace(t, o)
-    ours[mine] = theirs[name]
-  return load_params_into(model, ours, where=f" {drafter_dir}", prefix="")
+  from longspec_jax.hf_io import load_drafter_weights
+  cfg = LongSparkConfig.from_hf_dict(read_config_json(Path(drafter_dir) / "config.json", "LongSpark"))
+  return load_drafter_weights(drafter_dir, lambda: LongSparkModel(cfg, rngs=nnx.Rngs(0), dtype=dtype), _our_name)
 
 
 def load_longspark(drafter_dir, target) -> LoadedDrafter:

@@ -7,7 +7,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from longspec_jax.drafters.base import one_hot_probs
+from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
+from longspec_jax.drafters.registry import DrafterEntry
+
+DRAFTERS = (DrafterEntry(name="prompt-lookup", loader="load_prompt_lookup"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +21,7 @@ class PromptLookupDrafter:
   name: str = "prompt-lookup"
   taps: tuple = ()
   needs_target_kv: bool = False
+  max_draft_tokens = None  # any K: the continuation repeats past the sequence end
 
   def __post_init__(self):
     if not 1 <= self.min_ngram <= self.max_ngram:
@@ -51,3 +55,8 @@ class PromptLookupDrafter:
 
   def update(self, params, state, verify):
     return state
+
+
+def load_prompt_lookup(drafter_dir, target) -> LoadedDrafter:
+  del drafter_dir  # no checkpoint: it reads only the token buffer
+  return LoadedDrafter(PromptLookupDrafter(target.cfg.vocab_size))

@@ -19,10 +19,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.sampling import processed_log_probs
 from longspec_jax.sharpdraft import SharpDraft
 
 MODES = ("classic", "pard")
+DRAFTERS = (
+    DrafterEntry(name="standalone", loader="load_classic", checkpoint="pard", sharpdraft=True),
+    DrafterEntry(name="pard", loader="load_pard", checkpoint="pard", sharpdraft=True,
+                 trainer="longspec_jax.training.train_pard:PardTrainConfig:train_pard"),
+)
 
 
 def pick_token(logits, key, sp, sample: bool):
@@ -43,6 +49,7 @@ class StandaloneDrafter:
   taps: tuple = ()
   needs_target_kv: bool = False
   sharpdraft: SharpDraft | None = None
+  max_draft_tokens = None  # any K: classic mode drafts one token per step, PARD appends K - 1 masks
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -50,15 +57,11 @@ class StandaloneDrafter:
     if self.mode == "pard" and self.mask_token_id is None:
       raise ValueError("PARD mode needs a mask_token_id")
 
-  @property
-  def _query_scale(self):
-    return self.sharpdraft.query_scale if self.sharpdraft is not None else None
-
   def init_state(self, params, prefill, max_len):
     model = nnx.merge(self.graphdef, params)
     b = prefill.tokens.shape[0]
     out = model(prefill.prompt_tokens, cache=model.init_cache(b, max_len), mode="prefill", return_logits=False,
-                query_scale=self._query_scale)
+                sharpdraft=self.sharpdraft)
     return out.cache
 
   def attention_logits(self, params, target, tokens):
@@ -83,7 +86,7 @@ class StandaloneDrafter:
     if self.mode == "pard":
       toks, pos, last = self._window(ctx, k, extra=k - 1)
       out = model(toks, cache=state, positions=pos, mode="extend",
-                  logits_at=last[:, None] + jnp.arange(k)[None, :], query_scale=self._query_scale)
+                  logits_at=last[:, None] + jnp.arange(k)[None, :], sharpdraft=self.sharpdraft)
       drafts, probs = [], []
       for i in range(k):
         d, q = pick_token(out.logits[:, i], keys[i], ctx.sampling, sample)
@@ -93,12 +96,12 @@ class StandaloneDrafter:
     else:
       toks, pos, last = self._window(ctx, k, extra=0)
       out = model(toks, cache=state, positions=pos, mode="extend", logits_at=last[:, None],
-                  query_scale=self._query_scale)
+                  sharpdraft=self.sharpdraft)
       d, q = pick_token(out.logits[:, 0], keys[0], ctx.sampling, sample)
       drafts, probs, cache = [d], [q], out.cache
       for i in range(1, k):
         p = (ctx.num_tokens + i - 1)[:, None]
-        out = model(drafts[-1][:, None], cache=cache, positions=p, mode="extend", query_scale=self._query_scale)
+        out = model(drafts[-1][:, None], cache=cache, positions=p, mode="extend", sharpdraft=self.sharpdraft)
         d, q = pick_token(out.logits[:, 0], keys[i], ctx.sampling, sample)
         drafts.append(d)
         probs.append(q)
@@ -129,3 +132,13 @@ def load_standalone(drafter_dir, mode: str = "classic", sharpdraft: SharpDraft |
   meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
   model = load_model_dir(drafter_dir)
   return standalone_from_model(model, mode, meta.get("mask_token_id"), sharpdraft)
+
+
+def load_classic(drafter_dir, target, sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
+  del target  # a standalone drafter reads only tokens
+  return load_standalone(drafter_dir, "classic", sharpdraft)
+
+
+def load_pard(drafter_dir, target, sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
+  del target
+  return load_standalone(drafter_dir, "pard", sharpdraft)

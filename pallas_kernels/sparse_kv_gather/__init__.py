@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from longspec_jax.pallas_kernels import _common
 from longspec_jax.pallas_kernels._common import BlockSizes, GPU_BLOCK_SIZES, TPU_BLOCK_SIZES, num_selected_chunks
-from longspec_jax.pallas_kernels.query_scaled_attention import chunk_positions, run_attention
+from longspec_jax.pallas_kernels.length_masked_attention import chunk_positions, run_attention
 from longspec_jax.pallas_kernels.sparse_kv_gather import gpu, tpu
 from longspec_jax.pallas_kernels.sparse_kv_gather.reference import (
     check_gather_inputs,
@@ -61,7 +61,7 @@ def sparse_chunk_attention(q, k, v, lengths, chunk_idx, *, chunk_size: int, rho=
   """Attention over the valid keys (< lengths[b]) of the selected chunks, read by index from the full cache.
 
   q [B, Tq, Hq, D]; k, v [B, S, Hkv, D]; chunk_idx [B, Hkv, n_sel] (-1 = empty; indices should be
-  distinct: a repeated chunk is attended twice). Query scaling as in `query_scaled_attention` (rho
+  distinct: a repeated chunk is attended twice). Query scaling as in `length_masked_attention` (rho
   given, or alpha/n0 with n = valid selected keys). Returns (out [B,Tq,Hq,D], lse [B,Tq,Hq] f32).
   """
   b, _, hq, d, s, hkv = _common.check_attention_inputs(q, k, v, lengths)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from longspec_jax.pallas_kernels import _common
-from longspec_jax.pallas_kernels.query_scaled_attention import reference as qsa_reference
-from longspec_jax.pallas_kernels.query_scaled_attention.reference import chunk_positions
+from longspec_jax.pallas_kernels.length_masked_attention import reference as lma_reference
+from longspec_jax.pallas_kernels.length_masked_attention.reference import chunk_positions
 
 
 def reference_gather_kv_chunks(k, v, chunk_idx, *, chunk_size: int):
@@ -19,8 +19,8 @@ def reference_gather_kv_chunks(k, v, chunk_idx, *, chunk_size: int):
   check_gather_inputs(k, v, chunk_idx, chunk_size)
   pos = chunk_positions(chunk_idx, chunk_size)
   empty = jnp.moveaxis(pos < 0, 1, 2)[..., None]
-  k_sel = jnp.where(empty, 0, qsa_reference.gather_rows(k, pos)).astype(k.dtype)
-  v_sel = jnp.where(empty, 0, qsa_reference.gather_rows(v, pos)).astype(v.dtype)
+  k_sel = jnp.where(empty, 0, lma_reference.gather_rows(k, pos)).astype(k.dtype)
+  v_sel = jnp.where(empty, 0, lma_reference.gather_rows(v, pos)).astype(v.dtype)
   return k_sel, v_sel
 
 
@@ -34,8 +34,8 @@ def reference_sparse_chunk_attention(q, k, v, lengths, chunk_idx, *, chunk_size:
   lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, s)
   pos = chunk_positions(chunk_idx, chunk_size)
   n_visible = jnp.sum((pos >= 0) & (pos < lengths[:, None, None]), axis=-1)
-  scale = qsa_reference.head_scales(mode, param, n_visible, n0, d ** -0.5 if sm_scale is None else sm_scale)
-  return qsa_reference.chunk_attention(q, k, v, lengths, chunk_idx, chunk_size, scale)
+  scale = lma_reference.head_scales(mode, param, n_visible, n0, d ** -0.5 if sm_scale is None else sm_scale)
+  return lma_reference.chunk_attention(q, k, v, lengths, chunk_idx, chunk_size, scale)
 
 
 def check_gather_inputs(k, v, chunk_idx, chunk_size):

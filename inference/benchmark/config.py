@@ -1,0 +1,137 @@
+"""The bench suite's config (YAML, strict keys, `--set key=value` overrides) and its method strings."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import yaml
+
+PROTOCOL = (8, 4)  # the measurement protocol asks for >= 8 prompts from >= 4 documents per context
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteConfig:
+  model: str = ""  # the target: a name (smollm2-135m), a model directory, or "" = the shipped default target
+  rope_scaling: str = ""  # e.g. "yarn:2" to run the target past its trained context ("" = none)
+  methods: tuple[str, ...] = ("prompt-lookup",)  # NAME or NAME:key=value,key=value (see parse_method)
+  contexts: tuple[int, ...] = (1024,)  # prompt lengths in tokens, BOS included
+  temperatures: tuple[float, ...] = (0.0,)
+  num_prompts: int = 8  # cut points, shared by every context
+  min_docs: int = 4  # the cut points come from at least this many documents
+  docs: tuple[str, ...] = ()  # text files; () = the shipped held-out long documents
+  cut_min_tokens: int = 16384  # cut points lie at or past this token of their document (>= every context)
+  prompt_seed: int = 0
+  new_tokens: int = 64
+  num_draft: int | None = None  # K for methods that do not set num_draft; None = each drafter's default
+  repeats: int = 1  # timed decode calls per prompt (median)
+  seed: int = 0  # sampling seed of prompt i is seed + i
+  bootstrap: int = 10000  # bootstrap resamples for the confidence intervals
+  ci: float = 0.95
+  reference_context: int = 0  # tau at every context is compared with tau here (paired); 0 = the shortest context
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+  text: str  # as written in the config; the method's label everywhere
+  name: str  # a drafter registry method name, or "ar"
+  num_draft: int | None  # None: the drafter's default K
+  drafter_dir: str | None
+  options: tuple[tuple[str, object], ...]  # keyword options of load_drafter (the registry entry's)
+
+  @property
+  def slug(self) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", self.text.replace(":", "__").replace("=", "-"))
+
+
+def method_options(name: str) -> tuple[str, ...]:
+  """The load_drafter options a method takes, as its registry entry declares them."""
+  from longspec_jax.drafters import drafter_entry
+  if name == "ar":
+    return ()
+  entry = drafter_entry(name)
+  return tuple(entry.options) + (("sharpdraft",) if entry.sharpdraft else ())
+
+
+def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
+  """`NAME[:key=value[,key=value...]]`, values read as YAML scalars. `num_draft=K` sets K for this method,
+  `drafter=DIR` its checkpoint; the other keys are the method's own options (e.g. `dflash:sharpdraft=fixed`,
+  `budget:budget=256`)."""
+  from longspec_jax.drafters import method_names
+  if not isinstance(text, str) or not text.strip():
+    raise ValueError(f"a method must be a non-empty string like 'dflash' or 'dflash:sharpdraft=fixed', got {text!r}")
+  name, _, rest = text.strip().partition(":")
+  if name not in method_names():
+    raise ValueError(f"method {text!r}: unknown method {name!r}; known methods: {', '.join(method_names())}")
+  own = method_options(name)
+  given: dict[str, object] = {}
+  for item in filter(None, re.split(r"[,:]", rest)):
+    key, eq, raw = item.partition("=")
+    if not eq or not key:
+      raise ValueError(f"method {text!r}: option {item!r} is not of the form key=value")
+    if key in given:
+      raise ValueError(f"method {text!r}: option {key!r} given twice")
+    if name == "ar":
+      raise ValueError(f"method {text!r}: ar takes no drafter options")
+    if key not in ("num_draft", "drafter", *own):
+      raise ValueError(f"method {text!r}: unknown option {key!r}; options: "
+                       f"{', '.join(('num_draft', 'drafter', *own))}")
+    given[key] = yaml.safe_load(raw)
+  num_draft = given.pop("num_draft", default_num_draft)
+  if num_draft is not None and (not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1):
+    raise ValueError(f"method {text!r}: num_draft must be an integer >= 1, got {num_draft!r}")
+  drafter_dir = given.pop("drafter", None)
+  return MethodSpec(text=text.strip(), name=name, num_draft=None if name == "ar" else num_draft,
+                    drafter_dir=None if drafter_dir is None else str(drafter_dir),
+                    options=tuple(sorted(given.items())))
+
+
+def _check(ok: bool, msg: str) -> None:
+  if not ok:
+    raise ValueError(f"bench-suite config: {msg}")
+
+
+def validate(cfg: SuiteConfig) -> list[MethodSpec]:
+  """One clear error for a bad config (before anything is loaded); returns the parsed methods."""
+  _check(isinstance(cfg.model, str), f"model must be a directory or name (a string), got {cfg.model!r}")
+  _check(isinstance(cfg.rope_scaling, str), f"rope_scaling must be a string like yarn:2, got {cfg.rope_scaling!r}")
+  if cfg.rope_scaling:
+    from longspec_jax.targets import parse_rope_scaling
+    parse_rope_scaling(cfg.rope_scaling)
+  for key in ("methods", "contexts", "temperatures", "docs"):
+    _check(isinstance(getattr(cfg, key), tuple), f"{key} must be a list, got {getattr(cfg, key)!r}")
+  _check(len(cfg.methods) > 0, "methods is empty")
+  _check(cfg.num_draft is None or (isinstance(cfg.num_draft, int) and not isinstance(cfg.num_draft, bool)
+                                   and cfg.num_draft >= 1),
+         f"num_draft must be an integer >= 1 or null (each drafter's default), got {cfg.num_draft!r}")
+  methods = [parse_method(m, cfg.num_draft) for m in cfg.methods]
+  _check(len({m.text for m in methods}) == len(methods), f"methods has duplicates: {list(cfg.methods)}")
+  _check(len(cfg.contexts) > 0 and all(isinstance(c, int) and c >= 2 for c in cfg.contexts),
+         f"contexts must be a non-empty list of integers >= 2, got {list(cfg.contexts)}")
+  _check(len(set(cfg.contexts)) == len(cfg.contexts), f"contexts has duplicates: {list(cfg.contexts)}")
+  _check(len(cfg.temperatures) > 0 and all(isinstance(t, (int, float)) and t >= 0 for t in cfg.temperatures),
+         f"temperatures must be a non-empty list of numbers >= 0, got {list(cfg.temperatures)}")
+  _check(len(set(cfg.temperatures)) == len(cfg.temperatures), "temperatures has duplicates")
+  for key, lo in (("num_prompts", 2), ("min_docs", 1), ("new_tokens", 1), ("repeats", 1), ("bootstrap", 100),
+                  ("cut_min_tokens", 2)):
+    v = getattr(cfg, key)
+    _check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{key} must be an integer >= {lo}, got {v!r}")
+  _check(isinstance(cfg.ci, float) and 0 < cfg.ci < 1, f"ci must be in (0, 1), got {cfg.ci!r}")
+  _check(cfg.reference_context == 0 or cfg.reference_context in cfg.contexts,
+         f"reference_context {cfg.reference_context!r} is not one of the contexts {list(cfg.contexts)} (0 = the "
+         "shortest)")
+  _check(cfg.min_docs <= cfg.num_prompts, f"min_docs ({cfg.min_docs}) > num_prompts ({cfg.num_prompts})")
+  _check(max(cfg.contexts) <= cfg.cut_min_tokens,
+         f"the longest context ({max(cfg.contexts)}) exceeds cut_min_tokens ({cfg.cut_min_tokens}): every cut "
+         "point must have that much text before it")
+  for d in cfg.docs:
+    _check(Path(d).is_file(), f"document {d} not found")
+  return methods
+
+
+def load_config(path, overrides: list[str] | None = None) -> SuiteConfig:
+  from longspec_jax.yaml_config import load_yaml
+  cfg = load_yaml(SuiteConfig, path, overrides)
+  validate(cfg)
+  return cfg

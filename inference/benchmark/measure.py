@@ -1,0 +1,164 @@
+"""Timing on the engine's public steps (`longspec_jax.inference.engine`), for `longspec bench` and the suite.
+
+The suite prefills each prompt once (`engine.prefill` over the union of its methods' taps and K/V needs) and starts
+every method from that prefill (`engine.start`); the target prefill is deterministic, so this is exactly the state
+each method's own prefill would build. Each method's decode loop is the engine's `decode_program`, timed alone.
+A step's two halves are also timed apart (profiling mode): the drafter's first proposal and one target pass over
+[pending, drafts] at the prompt's context.
+
+Every program here is module-level: a second run in the same process (a sweep, a notebook, the tests) reuses its
+compilations. `Timer` keys warm-up calls by program and shape, so a compilation is never timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax.drafters.base import ProposeContext, state_nbytes
+from longspec_jax.inference import engine
+from longspec_jax.kv_cache import COMPILER_OPTIONS
+
+
+class Timer:
+  """Medians of timed calls; the first call of each program shape (its compilation) is not timed."""
+
+  def __init__(self):
+    self.warm: set = set()
+
+  def timed(self, key, fn, repeats: int):
+    """(last result, median seconds) of `repeats` calls; an untimed first call the first time `key` is seen."""
+    if key not in self.warm:
+      jax.block_until_ready(fn())
+      self.warm.add(key)
+    times, out = [], None
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(fn())
+      times.append(time.perf_counter() - t0)
+    return out, statistics.median(times)
+
+
+# --- programs ---------------------------------------------------------------------------------------------------
+
+def _start_from_shared(config: engine.GenerationConfig, params, inputs, shared: engine.Prefilled,
+                       tap_index: tuple[int, ...]) -> engine.EngineState:
+  """A method's start state from the shared prefill: its own taps (`tap_index` into the union, in its order)."""
+  d = config.drafter
+  pre = shared.replace(taps=shared.taps[:, :, jnp.asarray(tap_index, jnp.int32)] if d is not None and d.taps else None,
+                       new_kv=shared.new_kv if d is not None and d.needs_target_kv else None)
+  return engine.start(config, params, inputs, pre)
+
+
+def _first_draft(config: engine.GenerationConfig, params, inputs, state: engine.EngineState):
+  """The drafter's proposal from a start state: one draft pass."""
+  ctx = ProposeContext(tokens=state.tokens, num_tokens=state.num_tokens, sampling=inputs.sampling)
+  return config.drafter.propose(params.drafter, state.drafter_state, ctx, jax.random.key(0), config.num_draft,
+                                config.sample)[0]
+
+
+def _verify_pass(graphdef, target_params, cache, block, *, taps: tuple, return_kv: bool):
+  """One target pass over `block` = [pending, drafts] (K+1 rows) on a cache: the verify half of a step."""
+  model = nnx.merge(graphdef, target_params)
+  return model(block, cache=cache, mode="extend", taps=taps, return_kv=return_kv).logits
+
+
+def _diagnostics(config: engine.GenerationConfig, params, inputs, state: engine.EngineState):
+  ctx = ProposeContext(tokens=state.tokens, num_tokens=state.num_tokens, sampling=inputs.sampling)
+  return config.drafter.diagnostics(params.drafter, state.drafter_state, ctx)
+
+
+shared_prefill_program = jax.jit(engine.prefill, static_argnums=0, static_argnames=("max_len", "taps", "return_kv"),
+                                 compiler_options=COMPILER_OPTIONS)
+start_program = jax.jit(_start_from_shared, static_argnums=(0, 4), compiler_options=COMPILER_OPTIONS)
+draft_program = jax.jit(_first_draft, static_argnums=0, compiler_options=COMPILER_OPTIONS)
+verify_program = jax.jit(_verify_pass, static_argnums=0, static_argnames=("taps", "return_kv"),
+                         compiler_options=COMPILER_OPTIONS)
+diagnostics_program = jax.jit(_diagnostics, static_argnums=0)
+
+
+# --- measurements ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefill:
+  """One prompt's target prefill, shared by every method run on it."""
+  pre: engine.Prefilled
+  taps: tuple[int, ...]  # the tap indices pre.taps holds, in order
+  seconds: float
+
+
+def shared_prefill(timer: Timer, graphdef, target_params, inputs: engine.GenerationInputs, max_len: int,
+                   specs) -> SharedPrefill:
+  """The prefill of `inputs` into a cache of `max_len`, with the union of the drafter `specs`' taps and K/V needs."""
+  taps = tuple(sorted({t for s in specs for t in s.taps}))
+  return_kv = any(s.needs_target_kv for s in specs)
+  pre, seconds = timer.timed(
+      ("prefill", graphdef, inputs.tokens.shape, max_len, taps, return_kv),
+      lambda: shared_prefill_program(graphdef, target_params, inputs.tokens, inputs.prompt_lens, max_len=max_len,
+                                     taps=taps, return_kv=return_kv), 1)
+  return SharedPrefill(pre, taps, seconds)
+
+
+def start_state(config: engine.GenerationConfig, params, inputs, shared: SharedPrefill) -> engine.EngineState:
+  d = config.drafter
+  tap_index = tuple(shared.taps.index(t) for t in d.taps) if d is not None else ()
+  return start_program(config, params, inputs, shared.pre, tap_index)
+
+
+def _fresh(state):
+  """A copy of a start state: the decode program donates (consumes) its input."""
+  return jax.block_until_ready(jax.tree.map(lambda x: jnp.array(x, copy=True), state))
+
+
+def time_decode(timer: Timer, config: engine.GenerationConfig, params, inputs, state0: engine.EngineState,
+                repeats: int) -> tuple[engine.EngineState, float]:
+  """(final state, median seconds) of the engine's decode program run from copies of `state0`; the copies are made
+  before the clock starts."""
+  key = ("decode", config, inputs.tokens.shape)
+  copies = iter([_fresh(state0) for _ in range(repeats + (key not in timer.warm))])
+  no_limit = jnp.int32(engine.NO_STEP_LIMIT)
+  return timer.timed(key, lambda: engine.decode_program(config, params, inputs, next(copies), no_limit), repeats)
+
+
+def step_costs(timer: Timer, config: engine.GenerationConfig, params, inputs,
+               state: engine.EngineState, repeats: int) -> tuple[float, float]:
+  """(draft ms, verify ms) of one step from a start state: the drafter's proposal and one target pass over
+  [pending, drafts] at the prompt's context, each timed alone (medians)."""
+  d = config.drafter
+  drafts, draft_s = timer.timed(("draft", config, inputs.tokens.shape),
+                                lambda: draft_program(config, params, inputs, state), repeats)
+  pending = jnp.take_along_axis(state.tokens, state.target_cache.lengths[:, None], axis=1)
+  block = jnp.concatenate([pending, drafts], axis=1)
+  _, verify_s = timer.timed(
+      ("verify", config.graphdef, config.max_len, block.shape, d.taps, d.needs_target_kv),
+      lambda: verify_program(config.graphdef, params.target, state.target_cache, block, taps=d.taps,
+                             return_kv=d.needs_target_kv), repeats)
+  return 1000 * draft_s, 1000 * verify_s
+
+
+def measure(timer: Timer, config: engine.GenerationConfig, params, inputs, shared: SharedPrefill, repeats: int,
+            diagnostics: bool = False) -> dict:
+  """One method (AR when config.drafter is None) on one prompt from the shared prefill: its decode loop (timed),
+  tau and acceptance, and for a drafter the step's halves timed apart, its state bytes and, with `diagnostics`,
+  the drafter's own diagnostics at the prompt's end. Batch of one."""
+  state0 = start_state(config, params, inputs, shared)
+  state, decode_s = time_decode(timer, config, params, inputs, state0, repeats)
+  out = dict(new_tokens=int(state.num_new[0]), decode_s=decode_s, target_forwards=int(state.step))
+  if config.drafter is None:
+    out.update(tau=1.0, accept_hist=[], draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,
+               diagnostics={})
+  else:
+    stats = engine.spec_stats(state.accept_hist, state.active_steps, state.num_new, state.step)
+    draft_ms, verify_ms = step_costs(timer, config, params, inputs, state0, repeats)
+    diag = diagnostics_program(config, params, inputs, state0) if diagnostics else {}
+    out.update(tau=stats["tau"], accept_hist=stats["accept_hist"], draft_ms_per_step=draft_ms,
+               verify_ms_per_step=verify_ms, drafter_state_bytes=state_nbytes(state0.drafter_state),
+               diagnostics={k: np.round(np.asarray(v, np.float64), 5).tolist() for k, v in diag.items()})
+  out["tokens"] = engine.output_tokens(state, inputs)[0]
+  return out

@@ -1,0 +1,100 @@
+"""What a result depends on and where it ran: the target and drafter checkpoints (hashes), the git commit, the
+machine and library versions, and how loaded the machine was (other processes' CPU time, load average)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_target(model: str, rope_scaling: str = ""):
+  """(model, tokenizer, description) for a suite config's `model:` (a named target such as smollm2-135m, a model
+  directory, or "" for the shipped default) and `rope_scaling:` (e.g. "yarn:2"; "" = none)."""
+  from longspec_jax.hf_io import weights_sha256
+  from longspec_jax.targets import load_target as load, resolve_target_dir
+  from longspec_jax.tokenizer import load_tokenizer
+  path = resolve_target_dir(model or None)
+  return (load(path, rope_scaling=rope_scaling or None), load_tokenizer(path),
+          {"model": model or "shipped default", "dir": str(path), "rope_scaling": rope_scaling or None,
+           "weights_sha256": weights_sha256(path)})
+
+
+def drafter_checkpoint(method, target=None) -> dict | None:
+  """The checkpoint a method's drafter loads (directory and a hash of its weights, config.json and, when the
+  method turns SharpDraft on, sharpdraft.json), so that results of a retrained drafter are never mixed with the old
+  ones; None for methods without a checkpoint (AR, prompt lookup). `method`: a config.MethodSpec."""
+  from longspec_jax.drafters import drafter_path
+  from longspec_jax.hf_io import weights_sha256
+  if method.name == "ar":
+    return None
+  try:
+    path = drafter_path(method.name, method.drafter_dir, target)
+  except FileNotFoundError:
+    return None
+  h = hashlib.sha256(weights_sha256(path).encode())
+  sharp = dict(method.options).get("sharpdraft", "off") != "off"
+  for name in ("config.json", "sharpdraft.json") if sharp else ("config.json",):
+    if (path / name).exists():
+      h.update((path / name).read_bytes())
+  return {"dir": str(path), "sha256": h.hexdigest()}
+
+
+def fingerprint(*parts) -> str:
+  return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def git_state() -> dict:
+  def run(*args):
+    try:
+      return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      return None
+  status = run("status", "--porcelain", "--untracked-files=no")  # tracked files changed since the commit
+  return {"commit": run("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def machine_info() -> dict:
+  import flax
+  import jax
+  import jaxlib
+  import numpy as np
+  cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+              if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else None
+  return {"host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+          "jax_devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
+          "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+                       "numpy": np.__version__}}
+
+
+def cpu_ticks() -> dict[int, int]:
+  """utime + stime (clock ticks) of every process now, by pid."""
+  out = {}
+  for d in Path("/proc").glob("[0-9]*"):
+    try:
+      fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+      out[int(d.name)] = int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+      continue
+  return out
+
+
+def other_cpu_s(before: dict, after: dict) -> float | None:
+  """CPU seconds used by other processes between two snapshots (processes that ended meanwhile are missed)."""
+  if not before or not after:
+    return None
+  me = os.getpid()
+  ticks = sum(t - before.get(pid, 0) for pid, t in after.items() if pid != me)
+  return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes() -> int | None:
+  try:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except OSError:
+    return None

@@ -1,0 +1,393 @@
+"""The generation engine: one target prefill, a start state, one draft-verify-commit step, and the decode loop over
+it, for plain autoregression (no drafter) and speculative decoding alike.
+
+Every front end is built from these public pieces: `generate()` (Python lists in and out), the array function
+`generate_arrays` that callers `jax.jit` themselves, `longspec bench` and the bench suite (which share one prefill
+among methods). The state is one fixed-shape pytree carried through a `lax.while_loop`:
+
+    config, params, inputs = prepare(model, prompts, max_new_tokens=64, drafter=d)   # host side: checks, buckets
+    pre = prefill(config.graphdef, params.target, inputs.tokens, inputs.prompt_lens, max_len=config.max_len,
+                  taps=..., return_kv=...)                                          # the target over the prompt
+    state = start(config, params, inputs, pre)                                      # first token, drafter state
+    state = decode(config, params, inputs, state)                                   # step() until every row is done
+
+Autoregression is the engine without a drafter: each step verifies the pending token alone (one row) and commits
+the target's next token. With a drafter, a step proposes K drafts, verifies K+1 rows in one target pass and commits
+the accepted drafts plus the target's own token; rejected K/V rows stay in the cache and are overwritten later
+(only the length pointer moves).
+
+`config` (`GenerationConfig`) is static and hashable; everything else is a traced array, so every call whose
+prompts and new-token count fall in the same buckets reuses one compiled program. `COMPILER_OPTIONS` keeps the
+KV-cache updates in place on CPU (without it XLA:CPU copies every layer's cache each step); TPU and GPU ignore it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax.drafters.base import (LoadedDrafter, PrefillResult, ProposeContext, VerifyResult, default_num_draft,
+                                       max_draft_tokens)
+from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
+from longspec_jax.sampling import SamplingParams, sample_token
+from longspec_jax.verify import verify_greedy, verify_sampling
+
+MIN_BUCKET = 64
+# Independent random streams of one seed: drafting, acceptance (and AR sampling), the prefill's first token.
+DRAFT_STREAM, ACCEPT_STREAM, FIRST_TOKEN_STREAM = 0, 1, 2
+
+
+# --- host side: shapes, checks, inputs -------------------------------------------------------------------------
+
+def bucket(n: int) -> int:
+  """Round up to a size of the form m * 2^e (granularity an eighth of the power of two): <= 12.5% waste."""
+  n = max(int(n), MIN_BUCKET)
+  gran = max(MIN_BUCKET, (1 << (n.bit_length() - 1)) // 8)
+  return -(-n // gran) * gran
+
+
+def cache_len_for(prompt_len: int, max_new_tokens: int, extra: int = 0) -> tuple[int, int]:
+  """(prompt bucket, cache bucket) for a batch whose longest prompt has `prompt_len` tokens."""
+  t = bucket(prompt_len)
+  return t, bucket(t + max_new_tokens + extra)
+
+
+def validate_prompts(prompts, vocab_size: int, max_len: int | None = None) -> list[list[int]]:
+  if isinstance(prompts, np.ndarray):
+    prompts = prompts.tolist()
+  if not isinstance(prompts, (list, tuple)) or not prompts:
+    raise ValueError("prompts must be a non-empty list of token-id lists")
+  if all(isinstance(t, (int, np.integer)) for t in prompts):
+    raise ValueError("prompts must be a list of token-id lists (a batch); wrap a single prompt in a list")
+  out = []
+  for i, p in enumerate(prompts):
+    p = [int(t) for t in p]
+    if not p:
+      raise ValueError(f"prompt {i} is empty: give at least one token")
+    bad = [t for t in p if not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if max_len is not None and len(p) > max_len:
+      raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the maximum context {max_len}")
+    out.append(p)
+  return out
+
+
+def pad_prompts(prompts: list[list[int]], pad_id: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+  arr = np.full((len(prompts), length), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    arr[i, :len(p)] = p
+  return arr, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def resolve_num_draft(spec, num_draft: int | None) -> int:
+  """K for a drafter: its default when None; checked against its limit (block drafters) on the host."""
+  k = default_num_draft(spec) if num_draft is None else int(num_draft)
+  if k < 1:
+    raise ValueError(f"num_draft must be >= 1 for speculative decoding, got {k}")
+  limit = max_draft_tokens(spec)
+  if limit is not None and k > limit:
+    raise ValueError(f"drafter {spec.name!r} proposes at most {limit} tokens per step (its block), got "
+                     f"num_draft={k}")
+  return k
+
+
+def sizes(cfg, longest: int, max_new_tokens: int, num_draft: int = 0) -> tuple[int, int]:
+  """(prompt bucket, cache length); raises if the longest prompt cannot get max_new_tokens. A verify pass writes
+  K+1 rows past the last committed token, so speculative decoding needs that headroom."""
+  extra = num_draft + 1 if num_draft else 0
+  if longest + max_new_tokens + extra > cfg.max_position_embeddings:
+    what = f" + K+1 ({extra})" if extra else ""
+    hint = "; lower num_draft or max_new_tokens" if extra else ""
+    raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){what} exceeds the model's "
+                     f"maximum context {cfg.max_position_embeddings}{hint}")
+  return cache_len_for(longest, max_new_tokens, extra=extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+  """The static half of a generation call (a `jax.jit` static argument): it fixes the program's shapes."""
+  graphdef: Any  # the target's nnx.GraphDef
+  max_len: int  # token buffer and KV cache length (prompt bucket + new tokens [+ K+1 headroom], bucketed)
+  drafter: Any = None  # a drafter's static spec (`LoadedDrafter.spec`); None = autoregressive
+  num_draft: int = 0  # K drafts per verification (speculative only)
+  sample: bool = False  # speculative only: rejection-sampling verification (temperature > 0) vs greedy
+
+
+@flax.struct.dataclass
+class GenerationParams:
+  target: Any  # nnx.State of the target (from nnx.split)
+  drafter: Any = None  # the drafter's parameter pytree (None for AR or a parameter-free drafter)
+
+
+@flax.struct.dataclass
+class GenerationInputs:
+  tokens: jax.Array  # [B, T] int32 right-padded prompts, T = the prompt bucket
+  prompt_lens: jax.Array  # [B] int32
+  max_new: jax.Array  # [] int32 new tokens per sequence (the buffer holds config.max_len)
+  sampling: SamplingParams  # temperature / top-k / top-p, traced
+  seed: jax.Array  # [] uint32
+  eos_id: jax.Array  # [] int32; -1 = never stop early
+
+
+def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+            top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, drafter=None,
+            num_draft: int | None = None) -> tuple[GenerationConfig, GenerationParams, GenerationInputs]:
+  """Validates and buckets a call on the host; returns its (static config, params, inputs). With a drafter,
+  `num_draft` None means the drafter's default K."""
+  cfg = model.cfg
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  prompts = validate_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings)
+  eos = cfg.eos_token_id if eos_id is None else eos_id
+  sp = SamplingParams.make(temperature, top_k, top_p)
+  graphdef, target_params = nnx.split(model)
+  longest = max(map(len, prompts))
+  if drafter is None:
+    if num_draft:
+      raise ValueError("num_draft applies to speculative decoding: give a drafter too")
+    t_bucket, max_len = sizes(cfg, longest, max_new_tokens)
+    config, params = GenerationConfig(graphdef, max_len), GenerationParams(target_params)
+  else:
+    if not isinstance(drafter, LoadedDrafter):
+      drafter = LoadedDrafter(drafter)
+    if drafter.spec.vocab_size != cfg.vocab_size:
+      raise ValueError(f"drafter vocabulary ({drafter.spec.vocab_size}) does not match the target's "
+                       f"({cfg.vocab_size}): drafter and target must share one tokenizer")
+    k = resolve_num_draft(drafter.spec, num_draft)
+    t_bucket, max_len = sizes(cfg, longest, max_new_tokens, k)
+    config = GenerationConfig(graphdef, max_len, drafter.spec, k, sample=temperature > 0)
+    params = GenerationParams(target_params, drafter.params)
+  tokens, lens = pad_prompts(prompts, cfg.pad_token_id or 0, t_bucket)
+  inputs = GenerationInputs(tokens=jnp.asarray(tokens), prompt_lens=jnp.asarray(lens),
+                            max_new=jnp.int32(max_new_tokens), sampling=sp, seed=jnp.uint32(seed),
+                            eos_id=jnp.int32(-1 if eos is None else eos))
+  return config, params, inputs
+
+
+# --- device side: prefill, start, step, decode ----------------------------------------------------------------
+
+@flax.struct.dataclass
+class Prefilled:
+  """The target's pass over the prompts: everything a start state is built from."""
+  cache: KVCache  # lengths = prompt_lens
+  last_logits: jax.Array  # [B, V] at each prompt's last token
+  taps: jax.Array | None  # [B, T, n_taps, H] at the requested taps (None: none requested)
+  new_kv: tuple | None  # target (k, v) rows written by the prefill, [L, B, T, Hkv, D] each (or None)
+
+
+def prefill(graphdef, target_params, tokens, prompt_lens, *, max_len: int, taps: tuple = (),
+            return_kv: bool = False) -> Prefilled:
+  """The one target prefill: the prompts' K/V into a cache of `max_len`, last-row logits, and the taps / K/V
+  rows drafters read. The bench suite runs it once per prompt with the union of its methods' taps."""
+  model = nnx.merge(graphdef, target_params)
+  out = model(tokens, cache=model.init_cache(tokens.shape[0], max_len), mode="prefill",
+              logits_at=(prompt_lens - 1)[:, None], taps=taps, return_kv=return_kv)
+  return Prefilled(cache=out.cache.replace(lengths=prompt_lens), last_logits=out.logits[:, 0], taps=out.taps,
+                   new_kv=out.new_kv)
+
+
+@flax.struct.dataclass
+class EngineState:
+  tokens: jax.Array  # [B, S_max] prompt then generated tokens
+  num_tokens: jax.Array  # [B] committed tokens; the newest (pending) is not yet in the target cache
+  num_new: jax.Array  # [B] generated tokens (the pending one included)
+  done: jax.Array  # [B] bool
+  target_cache: KVCache  # lengths = num_tokens - 1
+  drafter_state: Any  # the drafter's own pytree (None for AR)
+  step: jax.Array  # [] target passes after the prefill
+  active_steps: jax.Array  # [B] passes in which the sequence was still generating
+  accept_hist: jax.Array  # [K+1] how often 0..K drafts were accepted (active sequences); [1] for AR
+
+
+def _streams(seed):
+  base = jax.random.key(seed)
+  return base, jax.random.fold_in(base, DRAFT_STREAM), jax.random.fold_in(base, ACCEPT_STREAM)
+
+
+def start(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs,
+          pre: Prefilled) -> EngineState:
+  """The decode loop's start state from a prefill: the first new token (from the prefill's last logits) and,
+  with a drafter, its state from the prompt's taps / K/V rows."""
+  tokens, lens = inputs.tokens, inputs.prompt_lens
+  b, t = tokens.shape
+  base, _, _ = _streams(inputs.seed)
+  first = sample_token(jax.random.fold_in(base, FIRST_TOKEN_STREAM), pre.last_logits, inputs.sampling)
+  buf = jnp.zeros((b, config.max_len), jnp.int32).at[:, :t].set(tokens).at[jnp.arange(b), lens].set(first)
+  drafter_state = None
+  if config.drafter is not None:
+    drafter_state = config.drafter.init_state(
+        params.drafter, PrefillResult(prompt_tokens=tokens, tokens=buf, prompt_lens=lens, taps=pre.taps,
+                                      new_kv=pre.new_kv, target_cache=pre.cache), config.max_len)
+  return EngineState(tokens=buf, num_tokens=lens + 1, num_new=jnp.ones((b,), jnp.int32),
+                     done=(first == inputs.eos_id) | (inputs.max_new <= 1), target_cache=pre.cache,
+                     drafter_state=drafter_state, step=jnp.int32(0), active_steps=jnp.zeros((b,), jnp.int32),
+                     accept_hist=jnp.zeros((config.num_draft + 1,), jnp.int32))
+
+
+def _truncate(committed, num_commit, num_new, max_new, eos_id):
+  """Cap a committed block at max_new_tokens and at the first EOS. Returns (count, hit_eos)."""
+  k1 = committed.shape[1]
+  pos = jnp.arange(k1)[None, :]
+  num_commit = jnp.minimum(num_commit, max_new - num_new)
+  is_eos = (committed == eos_id) & (pos < num_commit[:, None])
+  first_eos = jnp.min(jnp.where(is_eos, pos, k1), axis=1)
+  hit_eos = first_eos < k1
+  return jnp.where(hit_eos, first_eos + 1, num_commit), hit_eos
+
+
+def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs,
+         state: EngineState) -> EngineState:
+  """One target pass: draft K tokens (none for AR), verify [pending, drafts], commit the accepted prefix plus the
+  target's own token, and let the drafter read the verified rows."""
+  model = nnx.merge(config.graphdef, params.target)
+  drafter, k, sp, s = config.drafter, config.num_draft, inputs.sampling, state
+  b, max_len = s.tokens.shape
+  _, draft_stream, accept_stream = _streams(inputs.seed)
+  start_pos = s.target_cache.lengths  # = num_tokens - 1
+  pending = jnp.take_along_axis(s.tokens, start_pos[:, None], axis=1)
+  accept_key = jax.random.fold_in(accept_stream, s.step)
+  if drafter is None:
+    out = model(pending, cache=s.target_cache, mode="extend")
+    n_acc, committed = jnp.zeros((b,), jnp.int32), sample_token(accept_key, out.logits[:, 0], sp)[:, None]
+    dstate = None
+  else:
+    ctx = ProposeContext(tokens=s.tokens, num_tokens=s.num_tokens, sampling=sp)
+    drafts, q, dstate = drafter.propose(params.drafter, s.drafter_state, ctx,
+                                        jax.random.fold_in(draft_stream, s.step), k, config.sample)
+    out = model(jnp.concatenate([pending, drafts], axis=1), cache=s.target_cache, mode="extend",
+                taps=drafter.taps, return_kv=drafter.needs_target_kv)
+    if config.sample:
+      n_acc, committed = verify_sampling(accept_key, out.logits, drafts, q, sp)
+    else:
+      n_acc, committed = verify_greedy(out.logits, drafts)
+  active = ~s.done
+  n_commit, hit_eos = _truncate(committed, n_acc + 1, s.num_new, inputs.max_new, inputs.eos_id)
+  n_commit = jnp.where(active, n_commit, 0)
+  rows = jnp.arange(k + 1)[None, :]
+  write_pos = jnp.where(rows < n_commit[:, None], s.num_tokens[:, None] + rows, max_len)  # others dropped
+  tokens = s.tokens.at[jnp.arange(b)[:, None], write_pos].set(committed, mode="drop")
+  num_tokens = s.num_tokens + n_commit
+  num_new = s.num_new + n_commit
+  target_cache = out.cache.replace(lengths=num_tokens - 1)
+  if drafter is not None:
+    dstate = drafter.update(params.drafter, dstate, VerifyResult(
+        start=start_pos, num_accepted=n_acc, committed=committed, num_committed=n_commit, taps=out.taps,
+        new_kv=out.new_kv, target_cache=target_cache, tokens=tokens, num_tokens=num_tokens))
+  hist = s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, k + 1, dtype=jnp.int32) * active[:, None], axis=0)
+  return EngineState(tokens=tokens, num_tokens=num_tokens, num_new=num_new,
+                     done=s.done | (active & (hit_eos | (num_new >= inputs.max_new))), target_cache=target_cache,
+                     drafter_state=dstate, step=s.step + 1, active_steps=s.active_steps + active, accept_hist=hist)
+
+
+NO_STEP_LIMIT = np.iinfo(np.int32).max
+
+
+def decode(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
+           stop_step=NO_STEP_LIMIT) -> EngineState:
+  """`step` until every sequence is done (EOS or max_new tokens), or until `state.step` reaches `stop_step` (a
+  traced bound: a caller that streams text runs the loop a few steps at a time with one compiled program)."""
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < stop_step),
+                            lambda s: step(config, params, inputs, s), state)
+
+
+def prefill_and_start(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs) -> EngineState:
+  d = config.drafter
+  pre = prefill(config.graphdef, params.target, inputs.tokens, inputs.prompt_lens, max_len=config.max_len,
+                taps=d.taps if d is not None else (), return_kv=d is not None and d.needs_target_kv)
+  return start(config, params, inputs, pre)
+
+
+@flax.struct.dataclass
+class GenerationOutput:
+  tokens: jax.Array  # [B, max_len]: prompt b in [0, prompt_lens[b]), then num_new[b] generated tokens
+  num_new: jax.Array  # [B] generated tokens (EOS included when produced)
+  target_forwards: jax.Array  # [] target passes after the prefill
+  accept_hist: jax.Array | None = None  # [K+1] how often 0..K drafts were accepted (speculative only)
+  active_steps: jax.Array | None = None  # [B] verification passes per sequence while generating (speculative)
+
+
+def output_of(config: GenerationConfig, state: EngineState) -> GenerationOutput:
+  if config.drafter is None:
+    return GenerationOutput(tokens=state.tokens, num_new=state.num_new, target_forwards=state.step)
+  return GenerationOutput(tokens=state.tokens, num_new=state.num_new, target_forwards=state.step,
+                          accept_hist=state.accept_hist, active_steps=state.active_steps)
+
+
+def generate_arrays(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs
+                    ) -> GenerationOutput:
+  """Prefill and decode in one pure function; wrap it in `jax.jit(..., static_argnums=0)` (or jit a
+  `functools.partial(generate_arrays, config)` with in/out shardings: `longspec_jax.inference.functional`)."""
+  return output_of(config, decode(config, params, inputs, prefill_and_start(config, params, inputs)))
+
+
+# Prefill and decode are two programs so that each is timed on its own (one sync between them, none per step); the
+# decode program takes over the prefill's buffers (donated), so the split costs no memory. Module-level: a second
+# call in the same bucket, from any front end, reuses their compilations.
+prefill_program = jax.jit(prefill_and_start, static_argnums=0, compiler_options=COMPILER_OPTIONS)
+decode_program = jax.jit(decode, static_argnums=0, donate_argnums=3, compiler_options=COMPILER_OPTIONS)
+
+
+def compile_programs(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs):
+  """The (prefill, decode) executables for this call's shapes, compiled ahead of time (or loaded from JAX's
+  persistent cache when it is on), so that a caller can time compilation apart from generation. `run` takes
+  them; without them it uses the module-level jitted programs, which compile on first use."""
+  prefill_lowered = prefill_program.lower(config, params, inputs)
+  decode_exe = decode_program.lower(config, params, inputs, prefill_lowered.out_info, jnp.int32(0)).compile()
+  prefill_exe = prefill_lowered.compile()
+  return (lambda p, i: prefill_exe(p, i)), (lambda p, i, st, stop: decode_exe(p, i, st, stop))
+
+
+def run(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, on_steps=None,
+        steps_per_call: int = 4, programs=None) -> tuple[EngineState, float, float]:
+  """Both programs back to back: (final state, prefill seconds, decode seconds). With `on_steps(state)`, the
+  decode loop runs `steps_per_call` steps per call and `on_steps` sees the state after the prefill and after each
+  call (to stream text); the same compiled program serves every call. `programs`: from `compile_programs`."""
+  if programs is None:
+    programs = (functools.partial(prefill_program, config), functools.partial(decode_program, config))
+  prefill_fn, decode_fn = programs
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(prefill_fn(params, inputs))
+  t1 = time.perf_counter()
+  if on_steps is None:
+    state = jax.block_until_ready(decode_fn(params, inputs, state, jnp.int32(NO_STEP_LIMIT)))
+    return state, t1 - t0, time.perf_counter() - t1
+  on_steps(state)
+  while not bool(np.all(np.asarray(state.done))):
+    state = decode_fn(params, inputs, state, state.step + jnp.int32(steps_per_call))
+    on_steps(state)
+  return state, t1 - t0, time.perf_counter() - t1
+
+
+# --- outputs ---------------------------------------------------------------------------------------------------
+
+def output_tokens(out: GenerationOutput | EngineState, inputs: GenerationInputs) -> list[list[int]]:
+  """The generated tokens of each sequence, as `generate()` returns them."""
+  buf, num_new, lens = np.asarray(out.tokens), np.asarray(out.num_new), np.asarray(inputs.prompt_lens)
+  return [buf[b, lens[b]:lens[b] + num_new[b]].tolist() for b in range(len(lens))]
+
+
+def spec_stats(accept_hist, active_steps, num_new, steps) -> dict:
+  """tau (tokens committed per verification pass of an active sequence), per-position acceptance and counts."""
+  hist, active_steps, num_new = np.asarray(accept_hist), np.asarray(active_steps), np.asarray(num_new)
+  k = len(hist) - 1
+  # P(at least i+1 drafts accepted | verification pass), i = 0..K-1.
+  at_least = [float(hist[i + 1:].sum() / max(hist.sum(), 1)) for i in range(k)]
+  committed_after_prefill = int((num_new - 1).sum())
+  return {"target_forwards": int(steps), "tau": committed_after_prefill / max(int(active_steps.sum()), 1),
+          "accept_per_position": at_least, "accept_hist": hist.tolist(), "num_draft_tokens": k}
+
+
+def output_stats(out: GenerationOutput) -> dict:
+  """tau, per-position acceptance and target passes of a speculative call (as `generate().stats`)."""
+  if out.accept_hist is None:
+    return {"target_forwards": int(out.target_forwards)}
+  return spec_stats(out.accept_hist, out.active_steps, out.num_new, out.target_forwards)

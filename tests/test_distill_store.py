@@ -1,0 +1,134 @@
+"""The distillation store on a tiny target made here: soft labels and features equal a direct target forward, the
+shard index adds up, a killed build resumes to the same bytes, fp8 round trip, on-policy windows."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longspec_jax.config import ModelConfig, RopeConfig
+from longspec_jax.hf_io import save_model_dir
+from longspec_jax.model import create_model
+from longspec_jax.tokenizer import save_hf_tokenizer, train_bpe
+from longspec_jax.training import distill_store as ds
+from longspec_jax.training.distill_store import DistillStore, DistillStoreConfig, build_distill_store
+
+DOCS = [f"def function_{i}(x, y):\n    return x * {i} + y - {i % 7}\n" * (3 + i % 5) for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  import datasets
+  root = tmp_path_factory.mktemp("distill")
+  tok = train_bpe(DOCS, vocab_size=300)
+  cfg = ModelConfig(family="qwen3", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+                    rope=RopeConfig(), bos_token_id=0, eos_token_id=0, pad_token_id=1, mask_token_id=2)
+  model_dir = root / "target"
+  save_model_dir(create_model(cfg, seed=0), model_dir)
+  save_hf_tokenizer(tok, model_dir)
+  corpus = root / "corpus"
+  datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS, "path": [f"{i}.py" for i in range(40)]})}
+                       ).save_to_disk(str(corpus))
+  return root, model_dir, corpus
+
+
+def _cfg(setup, out, **kw):
+  root, model_dir, corpus = setup
+  base = dict(target=str(model_dir), corpus_dir=str(corpus), out_dir=str(root / out), max_tokens=100_000,
+              window_tokens=200, taps=(1, 2), kv_layers=(0,), topk=5, shard_tokens=500)
+  return DistillStoreConfig(**{**base, **kw})
+
+
+def test_store_matches_a_direct_forward(setup):
+  from longspec_jax.targets import load_target
+  cfg = _cfg(setup, "plain")
+  out = build_distill_store(cfg, show_progress=False)
+  store = DistillStore(out)
+  index = json.loads((out / "index.json").read_text())
+  assert index["stored_tokens"] == sum(s["tokens"] for s in index["shards"]) == sum(
+      w["length"] for _, w in store.windows)
+  assert len(index["shards"]) > 1 and index["bytes"] > 0
+  model = load_target(cfg.target)
+  for i in (0, len(store.windows) - 1):
+    rows = store.read_window(i)
+    out_ = model(jnp.asarray(rows["tokens"])[None], mode="train", taps=(1, 2), return_kv=True)
+    lp = jax.nn.log_softmax(out_.logits[0].astype(jnp.float32), axis=-1)
+    vals, ids = jax.lax.top_k(lp, 5)
+    np.testing.assert_array_equal(rows["topk_ids"], np.asarray(ids))
+    np.testing.assert_allclose(rows["topk_logprobs"], np.asarray(vals), atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(rows["taps"], np.asarray(out_.taps[0]), rtol=1e-2, atol=1e-2)
+    k0 = np.asarray(out_.new_kv[0][0, 0])  # layer 0's K rows [T, Hkv, D]
+    np.testing.assert_allclose(rows["kv"][:, 0, 0], k0, rtol=1e-2, atol=1e-2)
+    assert rows["generated_from"] == -1
+
+
+def test_killed_build_resumes_to_the_same_store(setup, monkeypatch):
+  whole = build_distill_store(_cfg(setup, "whole"), show_progress=False)
+  calls = {"n": 0}
+  real = ds._write_shard
+
+  def dies_after_two(*args):
+    if calls["n"] == 2:
+      raise KeyboardInterrupt("killed")
+    calls["n"] += 1
+    return real(*args)
+
+  monkeypatch.setattr(ds, "_write_shard", dies_after_two)
+  with pytest.raises(KeyboardInterrupt):
+    build_distill_store(_cfg(setup, "resumed"), show_progress=False)
+  partial = json.loads((setup[0] / "resumed" / "index.json").read_text())
+  assert len(partial["shards"]) == 2
+  monkeypatch.setattr(ds, "_write_shard", real)
+  resumed = build_distill_store(_cfg(setup, "resumed"), show_progress=False)
+  a, b = json.loads((whole / "index.json").read_text()), json.loads((resumed / "index.json").read_text())
+  assert a["shards"] == b["shards"]
+  for shard in a["shards"]:
+    for f in sorted((whole / shard["name"]).iterdir()):
+      assert f.read_bytes() == (resumed / shard["name"] / f.name).read_bytes(), f
+  with pytest.raises(ValueError, match="other settings .*topk"):
+    build_distill_store(_cfg(setup, "resumed", topk=7), show_progress=False)
+
+
+def test_max_tokens_stops_and_a_rerun_extends(setup):
+  small = build_distill_store(_cfg(setup, "grow", max_tokens=450), show_progress=False)
+  n = json.loads((small / "index.json").read_text())["stored_tokens"]
+  assert 450 <= n < 650
+  grown = json.loads((build_distill_store(_cfg(setup, "grow", max_tokens=1200), show_progress=False)
+                      / "index.json").read_text())
+  assert grown["stored_tokens"] >= 1200 and grown["shards"][0]["tokens"] == n
+
+
+def test_fp8_round_trip_keeps_large_activations():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(50, 3, 64)).astype(np.float32)
+  x[:, 1, 5] = 3000.0  # a massive activation, far past fp8's 448
+  enc = ds.encode_features(x, "fp8")
+  y = ds.decode_features(enc["bits"], "fp8", enc["scale"])
+  assert enc["bits"].dtype == np.uint8 and enc["scale"].shape == (50, 3)
+  rel = np.linalg.norm(y - x, axis=-1) / np.linalg.norm(x, axis=-1)
+  assert rel.max() < 0.07
+  b = ds.decode_features(ds.encode_features(x, "bf16")["bits"], "bf16")
+  assert (np.linalg.norm(b - x, axis=-1) / np.linalg.norm(x, axis=-1)).max() < 0.01
+
+
+def test_on_policy_windows_hold_the_targets_own_continuation(setup):
+  from longspec_jax.inference.generate import generate
+  from longspec_jax.targets import load_target
+  cfg = _cfg(setup, "onpolicy", on_policy_fraction=1.0, on_policy_new_tokens=16, max_tokens=400, kv_layers=())
+  store = DistillStore(build_distill_store(cfg, show_progress=False))
+  rows = store.read_window(0)  # window 0 is greedy
+  cut = rows["generated_from"]
+  assert cut == len(rows["tokens"]) - 16
+  want = generate(load_target(cfg.target), [rows["tokens"][:cut].tolist()], max_new_tokens=16, eos_id=-1).tokens[0]
+  assert rows["tokens"][cut:].tolist() == want
+  assert "kv" not in rows
+
+
+def test_bad_settings(setup):
+  with pytest.raises(ValueError, match="feature_dtype"):
+    build_distill_store(_cfg(setup, "bad", feature_dtype="fp4"), show_progress=False)
+  with pytest.raises(ValueError, match="taps must be in"):
+    build_distill_store(_cfg(setup, "bad", taps=(9,)), show_progress=False)

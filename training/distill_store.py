@@ -1,0 +1,327 @@
+"""The distillation store: the frozen target run once, teacher-forced, over long windows of the corpus train split
+(and optionally over its own continuations), keeping per token what drafter training reads.
+
+Per stored token t of a window:
+  tokens         the token itself
+  taps           the target's residual stream at the requested tap indices   [n_taps, H]
+  kv             post-norm, post-RoPE K/V rows of the requested layers        [n_layers, 2, Hkv, D]
+  topk_ids       the k most likely next tokens under the target               [k]
+  topk_logprobs  their log-probabilities (the soft labels; log_softmax over the full vocabulary)  [k]
+The labels at t are the target's distribution of token t+1 given tokens 0..t of the same window.
+
+Windows are cut from the train split's documents, shuffled by the seed and concatenated with EOS between them, so a
+window of 8K tokens holds several documents and its later tokens have long context behind them. A configurable
+share of windows keeps only its first part and lets the target continue it (greedy or sampled): on-policy text.
+
+Format: numpy `.npy` files in one directory per shard (`shard_00000/`), plus `index.json` (settings, shards and the
+windows each holds). Chosen over `datasets`/Arrow because trainers read random token ranges of large float arrays:
+`np.load(..., mmap_mode="r")` gives that with no copy and no decoding layer, and `.npy` is a stable, self-describing
+numpy format. Features are stored as bf16 (as uint16 bit patterns) or fp8 e4m3 (uint8, with a per-row float32 scale,
+since SmolLM2's residual stream has activations far beyond fp8's range). A shard is written to a temporary directory
+and renamed into place, then the index is replaced atomically: a kill loses at most the shard being written, and
+rerunning the same command resumes after the last complete shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+STORE_VERSION = 1
+INDEX = "index.json"
+FEATURE_DTYPES = ("bf16", "fp8")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MIN_WINDOW = 128  # a trailing piece of the stream shorter than this is dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillStoreConfig:
+  target: str | None = None  # a target name (smollm2-135m), an HF directory, or None for the shipped target
+  corpus_dir: str = "data/corpus"
+  out_dir: str = "runs/distill"
+  max_tokens: int = 9_000_000  # stop once this many tokens are stored (or the train split runs out)
+  window_tokens: int = 8192
+  taps: tuple[int, ...] = ()
+  kv_layers: tuple[int, ...] = ()
+  topk: int = 32
+  feature_dtype: str = "bf16"
+  shard_tokens: int = 65536  # a shard closes once it holds at least this many tokens
+  on_policy_fraction: float = 0.0  # share of windows whose tail the target writes itself
+  on_policy_new_tokens: int = 256  # tokens the target generates for such a window
+  on_policy_temperature: float = 0.8  # every other on-policy window is greedy, the rest sampled at this
+  seed: int = 0
+
+  def validate(self, num_layers: int) -> None:
+    problems = []
+    if self.feature_dtype not in FEATURE_DTYPES:
+      problems.append(f"feature_dtype must be one of {FEATURE_DTYPES}, got {self.feature_dtype!r}")
+    if self.window_tokens < MIN_WINDOW:
+      problems.append(f"window_tokens must be >= {MIN_WINDOW}, got {self.window_tokens}")
+    if self.topk < 1 or self.max_tokens < 1 or self.shard_tokens < 1:
+      problems.append("topk, max_tokens and shard_tokens must be >= 1")
+    if not 0 <= self.on_policy_fraction <= 1:
+      problems.append(f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
+    if self.on_policy_fraction and not 0 < self.on_policy_new_tokens < self.window_tokens:
+      problems.append("on_policy_new_tokens must be in [1, window_tokens)")
+    bad = [t for t in self.taps if not 0 <= t <= num_layers] + [l for l in self.kv_layers
+                                                              if not 0 <= l < num_layers]
+    if bad:
+      problems.append(f"taps must be in [0, {num_layers}] and kv layers in [0, {num_layers - 1}]; got "
+                      f"taps {list(self.taps)}, kv layers {list(self.kv_layers)}")
+    if problems:
+      raise ValueError("; ".join(problems))
+
+
+# --- feature encoding ------------------------------------------------------------------------------------------
+
+def encode_features(x: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
+  """[N, G, ...] float32 -> stored arrays. fp8 scales each [N, G] group by its absolute maximum."""
+  import ml_dtypes
+  if dtype == "bf16":
+    return {"bits": x.astype(ml_dtypes.bfloat16).view(np.uint16)}
+  flat = x.reshape(x.shape[0], x.shape[1], -1)
+  scale = np.maximum(np.abs(flat).max(axis=-1), 1e-30).astype(np.float32) / FP8_MAX
+  q = (flat / scale[..., None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+  return {"bits": q.reshape(x.shape), "scale": scale}
+
+
+def decode_features(bits: np.ndarray, dtype: str, scale: np.ndarray | None = None) -> np.ndarray:
+  import ml_dtypes
+  if dtype == "bf16":
+    return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+  x = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  return x * scale.reshape(scale.shape + (1,) * (x.ndim - scale.ndim))
+
+
+# --- the window plan -------------------------------------------------------------------------------------------
+
+def token_stream(texts: list[str], tok, eos_id: int, seed: int) -> np.ndarray:
+  """The train split's documents in a seeded order, tokenized and joined with EOS (int32)."""
+  order = np.random.default_rng(seed).permutation(len(texts))
+  ids = []
+  for enc in tok.encode_batch([texts[i] for i in order]):
+    ids.extend(enc.ids)
+    ids.append(eos_id)
+  return np.asarray(ids, np.int32)
+
+
+def plan_windows(stream_len: int, window_tokens: int) -> list[tuple[int, int]]:
+  """(start, length) of consecutive windows over the stream; a last piece shorter than MIN_WINDOW is dropped."""
+  return [(s, min(window_tokens, stream_len - s)) for s in range(0, stream_len, window_tokens)
+          if stream_len - s >= MIN_WINDOW]
+
+
+def on_policy_windows(num_windows: int, fraction: float, seed: int) -> np.ndarray:
+  """[num_windows] bool: which windows the target continues itself (a fixed draw per seed)."""
+  return np.random.default_rng([seed, 1]).random(num_windows) < fraction
+
+
+# --- the target pass -------------------------------------------------------------------------------------------
+
+ROW_CHUNK = 512  # LM-head rows at a time for the top-k: [512, V] fp32 logits instead of [window, V]
+
+
+def make_forward(target, cfg: DistillStoreConfig):
+  """A jitted teacher-forced pass over one window [1, W] -> (taps, kv, topk_ids, topk_logprobs) for its rows."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  graphdef, _ = nnx.split(target)
+  taps, kv_layers, k = tuple(cfg.taps), tuple(cfg.kv_layers), cfg.topk
+  kv_ids = jnp.asarray(kv_layers, jnp.int32)
+
+  @jax.jit
+  def forward(params, tokens):
+    model = nnx.merge(graphdef, params)
+    out = model(tokens, mode="train", taps=taps, return_kv=bool(kv_layers), return_logits=False)
+    h = out.hidden[0]  # [W, H] final normed hidden state
+    chunks = h.reshape(-1, ROW_CHUNK, h.shape[-1])
+
+    def top(hc):
+      lp = jax.nn.log_softmax(model.logits_from_hidden(hc[None])[0].astype(jnp.float32), axis=-1)
+      vals, ids = jax.lax.top_k(lp, k)
+      return ids.astype(jnp.int32), vals
+
+    ids, vals = jax.lax.map(top, chunks)
+    result = {"topk_ids": ids.reshape(-1, k), "topk_logprobs": vals.reshape(-1, k)}
+    if taps:
+      result["taps"] = out.taps[0]
+    if kv_layers:
+      kk, vv = out.new_kv  # [L, 1, W, Hkv, D]
+      result["kv"] = jnp.stack([kk[kv_ids, 0], vv[kv_ids, 0]], 1).transpose(2, 0, 1, 3, 4)  # [W, n, 2, Hkv, D]
+    return result
+
+  return forward
+
+
+def window_rows(forward, params, ids: np.ndarray, window_tokens: int, feature_dtype: str,
+                vocab_size: int) -> dict[str, np.ndarray]:
+  """One window's stored arrays. The window is padded to window_tokens (rounded up to ROW_CHUNK) so every window
+  runs one compiled program; padding after the last token changes none of its rows (causal attention)."""
+  import jax.numpy as jnp
+  width = -(-window_tokens // ROW_CHUNK) * ROW_CHUNK
+  tokens = np.zeros((1, width), np.int32)
+  tokens[0, :len(ids)] = ids
+  out = {name: np.asarray(v)[:len(ids)] for name, v in forward(params, jnp.asarray(tokens)).items()}
+  id_dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32  # SmolLM2's 49152 ids fit in 2 bytes
+  rows = {"tokens": ids.astype(np.int32), "topk_ids": out["topk_ids"].astype(id_dtype),
+          "topk_logprobs": out["topk_logprobs"].astype(np.float16)}
+  for name in ("taps", "kv"):
+    if name in out:
+      enc = encode_features(out[name].astype(np.float32), feature_dtype)
+      rows[name] = enc["bits"]
+      if "scale" in enc:
+        rows[f"{name}_scale"] = enc["scale"]
+  return rows
+
+
+# --- the store -------------------------------------------------------------------------------------------------
+
+def _settings(cfg: DistillStoreConfig, weights_id: str, stream_tokens: int) -> dict:
+  """What fixes the store's contents: a rerun with other settings must not extend it."""
+  s = dataclasses.asdict(cfg)
+  for key in ("out_dir", "max_tokens", "shard_tokens"):  # a rerun may store more, or into a moved directory
+    s.pop(key)
+  s.update(taps=list(cfg.taps), kv_layers=list(cfg.kv_layers), weights_sha256=weights_id,
+           stream_tokens=stream_tokens, version=STORE_VERSION)
+  return s
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(obj, indent=1))
+  os.replace(tmp, path)
+
+
+def _write_shard(out: Path, name: str, windows: list[dict]) -> dict:
+  """Concatenates the windows' rows into `out/name/*.npy` (written under a temporary name, then renamed)."""
+  tmp = out / f".{name}.partial"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir()
+  for key in windows[0]["rows"]:
+    np.save(tmp / f"{key}.npy", np.concatenate([w["rows"][key] for w in windows]))
+  offsets = np.cumsum([0] + [len(w["rows"]["tokens"]) for w in windows])
+  os.replace(tmp, out / name)
+  return {"name": name, "tokens": int(offsets[-1]),
+          "windows": [{"window": w["window"], "offset": int(o), "length": len(w["rows"]["tokens"]),
+                       "generated_from": w["generated_from"]} for w, o in zip(windows, offsets[:-1])]}
+
+
+def build_distill_store(cfg: DistillStoreConfig, show_progress: bool = True) -> Path:
+  """Builds (or resumes) the store in cfg.out_dir; returns its directory."""
+  from tqdm.auto import tqdm
+
+  from longspec_jax.hf_io import weights_sha256
+  from longspec_jax.inference.generate import generate
+  from longspec_jax.targets import load_target, load_tokenizer, resolve_target_dir
+  from longspec_jax.training.data import load_corpus
+
+  target_dir = resolve_target_dir(cfg.target)
+  target = load_target(target_dir)
+  cfg.validate(target.cfg.num_hidden_layers)
+  tok = load_tokenizer(target_dir)
+  eos = target.cfg.eos_token_id if target.cfg.eos_token_id is not None else 0
+  texts = list(load_corpus(cfg.corpus_dir)["train"]["text"])  # the train split only: evaluation text stays out
+  stream = token_stream(texts, tok, eos, cfg.seed)
+  windows = plan_windows(len(stream), cfg.window_tokens)
+  on_policy = on_policy_windows(len(windows), cfg.on_policy_fraction, cfg.seed)
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  settings = _settings(cfg, weights_sha256(target_dir), len(stream))
+  index = {"settings": settings, "shards": []}
+  if (out / INDEX).exists():
+    index = json.loads((out / INDEX).read_text())
+    changed = sorted(k for k in set(settings) | set(index["settings"])
+                     if settings.get(k) != index["settings"].get(k))
+    if changed:
+      raise ValueError(f"{out} holds a store made with other settings ({', '.join(changed)}); use another --out "
+                       "or the same settings to resume it")
+  for stale in out.glob(".shard_*.partial"):  # a shard a kill interrupted
+    shutil.rmtree(stale)
+  stored = sum(s["tokens"] for s in index["shards"])
+  next_window = max((w["window"] for s in index["shards"] for w in s["windows"]), default=-1) + 1
+
+  from flax import nnx
+  _, params = nnx.split(target)
+  forward = make_forward(target, cfg)
+  pending, pending_tokens, t0, generated_tokens, stored_before = [], 0, time.perf_counter(), 0, stored
+  bar = tqdm(total=min(cfg.max_tokens, sum(n for _, n in windows)), initial=stored, unit="tok",
+             desc="distill store", disable=not show_progress, smoothing=0.1)
+  for w in range(next_window, len(windows)):
+    if stored + pending_tokens >= cfg.max_tokens:
+      break
+    start, length = windows[w]
+    ids = stream[start:start + length]
+    generated_from = -1
+    if on_policy[w] and length > cfg.on_policy_new_tokens:
+      prompt = ids[:length - cfg.on_policy_new_tokens].tolist()
+      temperature = 0.0 if w % 2 == 0 else cfg.on_policy_temperature
+      gen = generate(target, [prompt], max_new_tokens=cfg.on_policy_new_tokens, temperature=temperature,
+                     seed=cfg.seed * 1_000_003 + w, eos_id=-1).tokens[0]
+      ids, generated_from = np.asarray(prompt + gen, np.int32), len(prompt)
+      generated_tokens += len(gen)
+    pending.append({"window": w, "generated_from": generated_from,
+                    "rows": window_rows(forward, params, ids, cfg.window_tokens, cfg.feature_dtype,
+                                        target.cfg.vocab_size)})
+    pending_tokens += len(ids)
+    bar.update(len(ids))
+    if pending_tokens >= cfg.shard_tokens or w == len(windows) - 1:
+      index["shards"].append(_write_shard(out, f"shard_{len(index['shards']):05d}", pending))
+      stored += pending_tokens
+      pending, pending_tokens = [], 0
+      index.update(stored_tokens=stored, num_windows=len(windows),
+                   bytes=sum(f.stat().st_size for f in out.glob("shard_*/*.npy")))
+      _write_json_atomic(out / INDEX, index)  # after the shard is in place: the index never names a missing one
+  if pending:  # max_tokens reached inside a shard
+    index["shards"].append(_write_shard(out, f"shard_{len(index['shards']):05d}", pending))
+    stored += pending_tokens
+    index.update(stored_tokens=stored, num_windows=len(windows),
+                 bytes=sum(f.stat().st_size for f in out.glob("shard_*/*.npy")))
+    _write_json_atomic(out / INDEX, index)
+  bar.close()
+  secs = time.perf_counter() - t0
+  index.setdefault("runs", []).append({"seconds": round(secs, 1), "tokens": stored - stored_before,
+                                        "tokens_per_s": round((stored - stored_before) / max(secs, 1e-9), 1),
+                                        "tokens_after": stored,
+                                        "generated_tokens": generated_tokens})
+  _write_json_atomic(out / INDEX, index)
+  return out
+
+
+class DistillStore:
+  """Read side: the windows of a finished (or partial) store, decoded to float32 on request."""
+
+  def __init__(self, directory: str | Path):
+    self.dir = Path(directory)
+    if not (self.dir / INDEX).exists():
+      raise FileNotFoundError(f"no distillation store at {self.dir} (build one with `longspec make-distill-store`)")
+    self.index = json.loads((self.dir / INDEX).read_text())
+    self.settings = self.index["settings"]
+    self.windows = [(s["name"], w) for s in self.index["shards"] for w in s["windows"]]
+
+  def _array(self, shard: str, key: str):
+    path = self.dir / shard / f"{key}.npy"
+    return np.load(path, mmap_mode="r") if path.exists() else None
+
+  def read_window(self, i: int) -> dict[str, np.ndarray]:
+    """Window i's rows: tokens, topk_ids, topk_logprobs (float32), and taps / kv (float32) when stored."""
+    shard, w = self.windows[i]
+    sl = slice(w["offset"], w["offset"] + w["length"])
+    out = {"tokens": np.asarray(self._array(shard, "tokens")[sl]),
+           "topk_ids": np.asarray(self._array(shard, "topk_ids")[sl], np.int32),
+           "topk_logprobs": np.asarray(self._array(shard, "topk_logprobs")[sl], np.float32),
+           "generated_from": w["generated_from"]}
+    for name in ("taps", "kv"):
+      bits = self._array(shard, name)
+      if bits is not None:
+        scale = self._array(shard, f"{name}_scale")
+        out[name] = decode_features(np.asarray(bits[sl]), self.settings["feature_dtype"],
+                                    None if scale is None else np.asarray(scale[sl]))
+    return out
