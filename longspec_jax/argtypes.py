@@ -61,3 +61,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     if shown and action.option_strings and "default" not in h:
       h += " (default: %(default)s)"
     return h
+
+
+def add_command(subparsers, name: str, summary: str, description: str):
+  """A subcommand whose --help shows `description` as written and every flag's default."""
+  return subparsers.add_parser(name, help=summary, description=description, formatter_class=HelpFormatter)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longspec_jax.argtypes import HelpFormatter, nonneg_int, positive_int
+from longspec_jax.argtypes import add_command, nonneg_int, positive_int
 from longspec_jax.drafters import SHARPDRAFT_METHODS
 from longspec_jax.sharpdraft_names import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE
 
@@ -162,12 +162,12 @@ def cmd_calibrate_sharpdraft(a) -> int:
 
 
 def add_subcommand(subparsers) -> None:
-  c = subparsers.add_parser(
-      "calibrate-sharpdraft", help="measure a drafter's attention-score statistics at n0 and write sharpdraft.json",
-      description="SharpDraft calibration: run the drafter's attention over corpus windows of its training length\n"
-                  "n0, fit the score model (relevant keys' margin and background spread) per drafter, layer or\n"
-                  "head, and write sharpdraft.json beside the checkpoint (read by --sharpdraft fixed|exact).",
-      formatter_class=HelpFormatter)
+  c = add_command(
+      subparsers, "calibrate-sharpdraft",
+      "measure a drafter's attention-score statistics at n0 and write sharpdraft.json",
+      "SharpDraft calibration: run the drafter's attention over corpus windows of its training length\n"
+      "n0, fit the score model (relevant keys' margin and background spread) per drafter, layer or\n"
+      "head, and write sharpdraft.json beside the checkpoint (read by --sharpdraft fixed|exact).")
   c.add_argument("--drafter", required=True, choices=DRAFTERS, help="the method whose drafter to calibrate")
   c.add_argument("--drafter-dir", help="drafter checkpoint (default: the one shipped for the target)")
   c.add_argument("--model", help="target: a name (smollm2-135m), a model dir, or the shipped target (default)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from longspec_jax.argtypes import HelpFormatter, fraction, int_list, nonneg_float, nonneg_int, positive_int
+from longspec_jax.argtypes import add_command, fraction, int_list, nonneg_float, nonneg_int, positive_int
 from longspec_jax.drafters import ENTRIES
 
 # --drafter NAME: the methods whose registry entry names a trainer; configs/drafter_NAME.yaml is the default config.
@@ -102,15 +102,20 @@ def cmd_train_drafter(a) -> int:
   return 0
 
 
+def _target_corpus_out(parser, out_default: str) -> None:
+  """The flags every command that runs the target over the corpus shares."""
+  parser.add_argument("--target", help="target: a name (smollm2-135m), a model dir, or the shipped target (default)")
+  parser.add_argument("--corpus", default="data/corpus", help="corpus directory (from `longspec corpus`)")
+  parser.add_argument("--out", default=out_default, help="output directory")
+
+
 def add_subcommands(subparsers) -> None:
-  m = subparsers.add_parser(
-      "make-drafter-data", help="generate drafter training data: corpus prompts continued by the target",
-      description="Continue prompts cut from the corpus train split with the target (half greedy, half sampled)\n"
-                  "and save prompt + continuation rows (datasets/Arrow) for drafter training; optionally cache the\n"
-                  "frozen target's taps and K/V for them. Resumable.", formatter_class=HelpFormatter)
-  m.add_argument("--target", help="target: a name (smollm2-135m), a model dir, or the shipped target (default)")
-  m.add_argument("--corpus", default="data/corpus", help="corpus directory (from `longspec corpus`)")
-  m.add_argument("--out", default="runs/drafter_data", help="output directory")
+  m = add_command(
+      subparsers, "make-drafter-data", "generate drafter training data: corpus prompts continued by the target",
+      "Continue prompts cut from the corpus train split with the target (half greedy, half sampled)\n"
+      "and save prompt + continuation rows (datasets/Arrow) for drafter training; optionally cache the\n"
+      "frozen target's taps and K/V for them. Resumable.")
+  _target_corpus_out(m, "runs/drafter_data")
   m.add_argument("--num-prompts", type=positive_int, default=400, help="prompts to continue")
   m.add_argument("--new-tokens", type=positive_int, default=256, help="tokens the target generates per prompt")
   m.add_argument("--batch", type=positive_int, default=16, help="prompts generated together")
@@ -126,16 +131,14 @@ def add_subcommands(subparsers) -> None:
                  help="also cache the post-RoPE K/V of these target layers")
   m.set_defaults(fn=cmd_make_drafter_data)
 
-  d = subparsers.add_parser(
-      "make-distill-store", help="run the target teacher-forced over the corpus: taps, K/V and top-k soft labels",
-      description="Run the frozen target once, teacher-forced, over long windows of the corpus train split (and,\n"
-                  "with --on-policy-fraction, over its own continuations), storing per token the taps and K/V\n"
-                  "rows drafters read and the target's top-k next-token log-probabilities. Sharded .npy files\n"
-                  "with index.json; rerunning the same command resumes after the last complete shard.",
-      formatter_class=HelpFormatter)
-  d.add_argument("--target", help="target name or HF directory (default: the shipped 8.4M target)")
-  d.add_argument("--corpus", default="data/corpus", help="corpus directory (from `longspec corpus`)")
-  d.add_argument("--out", default="runs/distill", help="store directory")
+  d = add_command(
+      subparsers, "make-distill-store",
+      "run the target teacher-forced over the corpus: taps, K/V and top-k soft labels",
+      "Run the frozen target once, teacher-forced, over long windows of the corpus train split (and,\n"
+      "with --on-policy-fraction, over its own continuations), storing per token the taps and K/V\n"
+      "rows drafters read and the target's top-k next-token log-probabilities. Sharded .npy files\n"
+      "with index.json; rerunning the same command resumes after the last complete shard.")
+  _target_corpus_out(d, "runs/distill")
   d.add_argument("--max-tokens", type=positive_int, default=9_000_000, help="stop once this many tokens are stored")
   d.add_argument("--window", type=positive_int, default=8192, help="tokens per window (documents concatenated)")
   d.add_argument("--taps", default="", metavar="SPEC",
@@ -152,10 +155,10 @@ def add_subcommands(subparsers) -> None:
   d.add_argument("--quiet", action="store_true", help="no progress bar")
   d.set_defaults(fn=cmd_make_distill_store)
 
-  t = subparsers.add_parser(
-      "train-drafter", help="train a drafter for the target on make-drafter-data output",
-      description="Train a drafter (sharded, orbax checkpoints, exact resume) from a YAML config; the result is a\n"
-                  "drafter directory that load_drafter and --drafter DIR read.", formatter_class=HelpFormatter)
+  t = add_command(
+      subparsers, "train-drafter", "train a drafter for the target on make-drafter-data output",
+      "Train a drafter (sharded, orbax checkpoints, exact resume) from a YAML config; the result is a\n"
+      "drafter directory that load_drafter and --drafter DIR read.")
   t.add_argument("--drafter", choices=TRAINABLE, default="pard", help="which drafter to train")
   t.add_argument("--config", help="YAML config (default: configs/drafter_<drafter>.yaml)")
   t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
