@@ -139,18 +139,19 @@ def add_subcommands(subparsers) -> None:
       "rows drafters read and the target's top-k next-token log-probabilities. Sharded .npy files\n"
       "with index.json; rerunning the same command resumes after the last complete shard.")
   _target_corpus_out(d, "runs/distill")
-  d.add_argument("--max-tokens", type=positive_int, default=9_000_000, help="stop once this many tokens are stored")
-  d.add_argument("--window", type=positive_int, default=8192, help="tokens per window (documents concatenated)")
+  for flag, default, text in (("--max-tokens", 9_000_000, "stop once this many tokens are stored"),
+                              ("--window", 8192, "tokens per window (documents concatenated)"),
+                              ("--topk", 32, "next-token log-probabilities kept per token"),
+                              ("--shard-tokens", 65536, "tokens per shard (the unit of resume)"),
+                              ("--on-policy-new-tokens", 256, "tokens the target generates per on-policy window")):
+    d.add_argument(flag, type=positive_int, default=default, help=text)
   d.add_argument("--taps", default="", metavar="SPEC",
                  help="residual-stream taps to store: indices and/or drafter names, e.g. dflash,eagle3,2")
   d.add_argument("--kv-layers", type=int_list, metavar="L1,L2,...", help="target layers whose K/V rows to store")
-  d.add_argument("--topk", type=positive_int, default=32, help="next-token log-probabilities kept per token")
   d.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                  help="storage of taps and K/V (fp8: e4m3 with a per-row scale)")
-  d.add_argument("--shard-tokens", type=positive_int, default=65536, help="tokens per shard (the unit of resume)")
   d.add_argument("--on-policy-fraction", type=fraction, default=0.0,
                  help="share of windows whose last --on-policy-new-tokens the target generates itself")
-  d.add_argument("--on-policy-new-tokens", type=positive_int, default=256, help="tokens generated per such window")
   d.add_argument("--seed", type=nonneg_int, default=0, help="document order and on-policy draws")
   d.add_argument("--quiet", action="store_true", help="no progress bar")
   d.set_defaults(fn=cmd_make_distill_store)
