@@ -43,7 +43,7 @@ def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
 def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
               seed: int = 0, batch: int = 1, num_draft: int | None = None, drafter_dir=None, repeats: int = 3,
               top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None,
-              budget: int | None = None) -> dict:
+              budget: int | None = None, draft_length=None) -> dict:
   """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
   in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)
@@ -51,7 +51,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
   prompts = bench_prompts(tok.encode(text).ids, context, batch, model.cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
   # The speculative call as generate() will run it: checks, K (the drafter's default when None), buckets.
-  spec_call = (engine.prepare(model, prompts, new_tokens, drafter=drafter, num_draft=num_draft, **kw)
+  spec_call = (engine.prepare(model, prompts, new_tokens, drafter=drafter, num_draft=num_draft,
+                              draft_length=draft_length, **kw)
                if drafter is not None else None)
 
   if ar_baseline is None:
@@ -60,6 +61,7 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
   out = {"method": method, "sharpdraft": sharpdraft, "context": context, "new_tokens": new_tokens,
          "batch": batch, "temperature": temperature, "seed": seed,
          "num_draft_tokens": spec_call[0].num_draft if spec_call else 0,
+         "draft_length": spec_call[0].draft_length.to_json() if spec_call and spec_call[0].draft_length else "fixed",
          "ar_tokens_per_s": ar_tps, "ar_prefill_ms": 1000 * ar_prefill,
          "ar_decode_ms": 1000 * ar_decode}
   if budget is not None:
@@ -71,7 +73,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
   else:
     log(f"{method}: compiling, then {repeats} timed calls")
     res, tps, prefill, decode = decode_rate(model, prompts, new_tokens, repeats, drafter=drafter,
-                                            num_draft=spec_call[0].num_draft, **kw)
+                                            num_draft=spec_call[0].num_draft,
+                                            draft_length=spec_call[0].draft_length, **kw)
     log(f"{method}: tau {res.stats['tau']:.2f}; timing one draft and one verify step")
     draft_ms, verify_ms, state_bytes = profile_step(*spec_call)
     out.update(tau=res.stats["tau"], accept_per_position=res.stats["accept_per_position"],
@@ -81,6 +84,7 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
                verify_ms_per_step=verify_ms, drafter_state_bytes=state_bytes,
                # What a verify pass costs in AR steps (same process): speedup ~ tau / (this + draft/AR step).
                verify_over_decode=verify_ms * ar_tps / 1000 if ar_tps else None,
+               **{k: res.stats[k] for k in ("draft_sizes", "size_share", "rows_per_step") if k in res.stats},
                exact_match_ar=(res.tokens == ar.tokens) if temperature == 0 else None)
   out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return out

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from longspec_jax.argtypes import HelpFormatter, nonneg_float, nonneg_int, positive_int, unit_float
+from longspec_jax.argtypes import HelpFormatter, add_command, nonneg_float, nonneg_int, positive_int, unit_float
 from longspec_jax.compile_cache import ENV_VAR as COMPILE_CACHE_ENV, enable_compile_cache
 from longspec_jax.targets import TARGET_DTYPES
 
@@ -76,6 +76,25 @@ def progress(a):
   return log
 
 
+def check_draft_length_flag(a) -> None:
+  if a.draft_length != "fixed" and a.method == "ar":
+    raise ValueError("--draft-length applies to speculative methods; --method ar drafts nothing")
+  if a.draft_length not in ("fixed", "auto") and not Path(a.draft_length).is_file():
+    raise FileNotFoundError(f"draft-length rule {a.draft_length} not found (give fixed, auto, or a "
+                            "calibrate-draft-length JSON)")
+
+
+def draft_length_arg(a):
+  """--draft-length: "fixed", "auto", or a rule JSON file (from calibrate-draft-length)."""
+  from longspec_jax.inference.draft_length import read_draft_length
+  return read_draft_length(a.draft_length)
+
+
+DRAFT_LENGTH_HELP = ("drafts verified per step: fixed (K every step), auto (chosen per step among 0, 1, 3 and K from "
+                     "the running acceptance rate; 0 is a plain decode step), or a rule JSON from "
+                     "calibrate-draft-length (costs measured on this machine)")
+
+
 def read_text_file(path: str, what: str) -> str:
   p = Path(path)
   if not p.is_file():
@@ -91,6 +110,7 @@ def check_method_flags(a) -> None:
   from longspec_jax.drafters import check_drafter_options
   method = a.method
   check_drafter_options(method, a.sharpdraft, a.budget)
+  check_draft_length_flag(a)
   if method == "ar":
     for flag, value in (("--num-draft", a.num_draft), ("--drafter", a.drafter)):
       if value is not None:
@@ -151,7 +171,8 @@ def cmd_generate(a) -> int:
   drafter = load_drafter(a.method, model, a.drafter, sharpdraft=a.sharpdraft, budget=a.budget)
   call = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               seed=a.seed)
-  config, params, inputs = engine.prepare(model, [ids], drafter=drafter, num_draft=a.num_draft, **call)
+  config, params, inputs = engine.prepare(model, [ids], drafter=drafter, num_draft=a.num_draft,
+                                          draft_length=draft_length_arg(a), **call)
   modes = [("method", config, params, inputs)]
   if a.compare_ar:
     modes.append(("ar", *engine.prepare(model, [ids], **call)))
@@ -188,6 +209,7 @@ def cmd_generate(a) -> int:
   stats["tokens_per_s"] = stats["decode_tokens_per_s"]
   if config.drafter is not None:
     stats["tau"] = engine.spec_stats(state.accept_hist, state.active_steps, state.num_new, state.step)["tau"]
+    stats.update(engine.length_stats(config, state))
   if a.compare_ar:
     ar_state = runs["ar"][-1][0]
     ar_ids = engine.output_tokens(ar_state, modes[1][3])[0]
@@ -276,6 +298,7 @@ def cmd_bench(a) -> int:
   path = Path(a.text_file)
   text = read_text_file(a.text_file, "text file")
   check_drafter_options(a.method, a.sharpdraft, a.budget)
+  check_draft_length_flag(a)
   if a.peer == "transformers" and importlib.util.find_spec("torch") is None:
     raise ValueError("--peer transformers needs torch: pip install -e \".[test]\"")
   log = progress(a)
@@ -298,7 +321,8 @@ def cmd_bench(a) -> int:
   log(f"prompt: first {a.context} tokens of {path} (of {len(ids)}), batch {a.batch}, {a.new_tokens} new tokens; "
       f"method {a.method} vs AR, {a.repeats} timed repeats each after a compiling call")
   res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
-                  a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, log=log, budget=a.budget)
+                  a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, log=log, budget=a.budget,
+                  draft_length=draft_length_arg(a))
   if a.peer == "transformers":
     log("transformers peers on the same weights: AR, assisted generation, prompt lookup")
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
@@ -310,6 +334,37 @@ def cmd_bench(a) -> int:
   res.update(text_file=str(path), model=str(a.model or model_dir), rope_scaling=a.rope_scaling)
   print(json.dumps(res, indent=2))
   _write_json(a.json, res)
+  return 0
+
+
+def cmd_calibrate_draft_length(a) -> int:
+  text = read_text_file(a.prompt_file, "prompt file")
+  from longspec_jax.drafters import check_drafter_options
+  check_drafter_options(a.method, "off", None)
+  log = progress(a)
+  log("importing jax")
+  from longspec_jax.drafters import load_drafter
+  from longspec_jax.inference.benchmark.measure import calibrate_draft_length
+  from longspec_jax.inference.benchmark.provenance import machine_info
+  from longspec_jax.inference.draft_length import default_sizes
+  from longspec_jax.inference.engine import resolve_num_draft
+  from longspec_jax.tokenizer import encode_prompt
+
+  model, tok, model_dir = _load_target(a)
+  ids = encode_prompt(tok, text, model.cfg.bos_token_id)[:a.max_prompt_tokens]
+  drafter = load_drafter(a.method, model, a.drafter)
+  sizes = default_sizes(resolve_num_draft(drafter.spec, a.num_draft))
+  log(f"timing {a.steps} steps at each size {list(sizes)} and as AR, {a.repeats} repeats, prompt {len(ids)} tokens")
+  rule, ar_ms = calibrate_draft_length(model, drafter, ids, sizes, steps=a.steps, repeats=a.repeats)
+  out = {"rule": rule.to_json(),
+         "measured": {"method": a.method, "drafter": a.drafter, "model": str(a.model or model_dir.name),
+                      "prompt_file": a.prompt_file, "prompt_tokens": len(ids), "steps": a.steps,
+                      "repeats": a.repeats, "ar_step_ms": round(ar_ms, 3), "machine": machine_info()}}
+  Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(a.out).write_text(json.dumps(out, indent=2))
+  print(json.dumps(out["rule"]))
+  log(f"wrote {a.out}: costs per size {dict(zip(sizes, rule.costs))} (AR step {ar_ms:.2f} ms); "
+      f"use it with --draft-length {a.out}")
   return 0
 
 
@@ -400,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="SharpDraft query scaling of the drafter (needs sharpdraft.json: calibrate-sharpdraft)")
   g.add_argument("--budget", type=positive_int,
                  help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
+  g.add_argument("--draft-length", metavar="fixed|auto|RULE.json", default="fixed", help=DRAFT_LENGTH_HELP)
   g.add_argument("--compare-ar", action="store_true",
                  help="also run plain AR on the same prompt: its tokens/s, the speedup, and whether the tokens are "
                       "equal")
@@ -486,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--batch", type=positive_int, default=1, help="prompts per call (each starts 64 tokens later)")
   bn.add_argument("--num-draft", type=positive_int, default=None,
                   help="K drafted tokens per verification (default: 8, or the drafter's block limit if smaller)")
+  bn.add_argument("--draft-length", metavar="fixed|auto|RULE.json", default="fixed", help=DRAFT_LENGTH_HELP)
   bn.add_argument("--model", help=MODEL_HELP)
   bn.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
   bn.add_argument("--dtype", choices=TARGET_DTYPES, default="float32", help=DTYPE_HELP)
@@ -499,6 +556,26 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--json", metavar="OUT", help="also write the result here")
   bn.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
   bn.set_defaults(fn=cmd_bench)
+
+  cd = add_command(
+      sub, "calibrate-draft-length", "measure a drafter's step cost per draft length (for --draft-length)",
+      "Time the engine's step at each draft length (0, 1, 3 and K) and AR's step on held-out text, on\n"
+      "this machine, and write the draft-length rule with those costs for --draft-length RULE.json.")
+  cd.add_argument("--method", required=True, choices=[m for m in method_names() if m != "ar"],
+                  help="drafting method")
+  cd.add_argument("--prompt-file", required=True, help="held-out text (not the bench prompts) to time on")
+  cd.add_argument("--max-prompt-tokens", type=positive_int, default=1024,
+                  help="context the steps run at: the first N tokens of the file")
+  cd.add_argument("--num-draft", type=positive_int, help="K, the largest size (default: the drafter's)")
+  cd.add_argument("--drafter", metavar="DIR", help="drafter checkpoint directory (default: the shipped one)")
+  cd.add_argument("--steps", type=positive_int, default=16, help="steps timed per size")
+  cd.add_argument("--repeats", type=positive_int, default=3, help="timed runs per size (median)")
+  cd.add_argument("--model", help=MODEL_HELP)
+  cd.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
+  cd.add_argument("--dtype", choices=TARGET_DTYPES, default="float32", help=DTYPE_HELP)
+  cd.add_argument("--out", required=True, help="the rule JSON to write")
+  cd.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+  cd.set_defaults(fn=cmd_calibrate_draft_length)
 
   mem = sub.add_parser("memory", help="how a target (HF config.json) fits a Cloud TPU slice, per mesh",
                        description="Parameter and KV-cache bytes per chip for generation on a TPU slice, for every\n"

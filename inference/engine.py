@@ -36,6 +36,7 @@ from flax import nnx
 
 from longspec_jax.drafters.base import (LoadedDrafter, PrefillResult, ProposeContext, VerifyResult, default_num_draft,
                                        max_draft_tokens)
+from longspec_jax.inference.draft_length import DraftLengthRule, choose_size_index, default_sizes, update_rate
 from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
 from longspec_jax.sampling import SamplingParams, sample_token
 from longspec_jax.verify import verify_greedy, verify_sampling
@@ -100,6 +101,20 @@ def resolve_num_draft(spec, num_draft: int | None) -> int:
   return k
 
 
+def resolve_draft_length(draft_length, spec, num_draft: int | None) -> DraftLengthRule | None:
+  if draft_length in (None, "fixed"):
+    return None
+  if draft_length == "auto":
+    return DraftLengthRule(default_sizes(resolve_num_draft(spec, num_draft)))
+  if not isinstance(draft_length, DraftLengthRule):
+    raise ValueError(f"draft_length must be 'fixed', 'auto' or a DraftLengthRule, got {draft_length!r}")
+  resolve_num_draft(spec, draft_length.max_size)  # within the drafter's limit
+  if num_draft is not None and num_draft != draft_length.max_size:
+    raise ValueError(f"num_draft ({num_draft}) differs from the draft_length rule's largest size "
+                     f"({draft_length.max_size})")
+  return draft_length
+
+
 def sizes(cfg, longest: int, max_new_tokens: int, num_draft: int = 0) -> tuple[int, int]:
   """(prompt bucket, cache length); raises if the longest prompt cannot get max_new_tokens. A verify pass writes
   K+1 rows past the last committed token, so speculative decoding needs that headroom."""
@@ -120,6 +135,7 @@ class GenerationConfig:
   drafter: Any = None  # a drafter's static spec (`LoadedDrafter.spec`); None = autoregressive
   num_draft: int = 0  # K drafts per verification (speculative only)
   sample: bool = False  # speculative only: rejection-sampling verification (temperature > 0) vs greedy
+  draft_length: DraftLengthRule | None = None  # speculative only: K chosen per step among its sizes (max = K)
 
 
 @flax.struct.dataclass
@@ -140,9 +156,11 @@ class GenerationInputs:
 
 def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, drafter=None,
-            num_draft: int | None = None) -> tuple[GenerationConfig, GenerationParams, GenerationInputs]:
+            num_draft: int | None = None, draft_length: DraftLengthRule | str | None = None
+            ) -> tuple[GenerationConfig, GenerationParams, GenerationInputs]:
   """Validates and buckets a call on the host; returns its (static config, params, inputs). With a drafter,
-  `num_draft` None means the drafter's default K."""
+  `num_draft` None means the drafter's default K. draft_length: None / "fixed" (K every step), "auto"
+  (DraftLengthRule over 0, 1, 3 and K with default costs) or a DraftLengthRule whose largest size is K."""
   cfg = model.cfg
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -152,8 +170,8 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, t
   graphdef, target_params = nnx.split(model)
   longest = max(map(len, prompts))
   if drafter is None:
-    if num_draft:
-      raise ValueError("num_draft applies to speculative decoding: give a drafter too")
+    if num_draft or draft_length not in (None, "fixed"):
+      raise ValueError("num_draft and draft_length apply to speculative decoding: give a drafter too")
     t_bucket, max_len = sizes(cfg, longest, max_new_tokens)
     config, params = GenerationConfig(graphdef, max_len), GenerationParams(target_params)
   else:
@@ -162,9 +180,10 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, t
     if drafter.spec.vocab_size != cfg.vocab_size:
       raise ValueError(f"drafter vocabulary ({drafter.spec.vocab_size}) does not match the target's "
                        f"({cfg.vocab_size}): drafter and target must share one tokenizer")
-    k = resolve_num_draft(drafter.spec, num_draft)
+    rule = resolve_draft_length(draft_length, drafter.spec, num_draft)
+    k = rule.max_size if rule is not None else resolve_num_draft(drafter.spec, num_draft)
     t_bucket, max_len = sizes(cfg, longest, max_new_tokens, k)
-    config = GenerationConfig(graphdef, max_len, drafter.spec, k, sample=temperature > 0)
+    config = GenerationConfig(graphdef, max_len, drafter.spec, k, sample=temperature > 0, draft_length=rule)
     params = GenerationParams(target_params, drafter.params)
   tokens, lens = pad_prompts(prompts, cfg.pad_token_id or 0, t_bucket)
   inputs = GenerationInputs(tokens=jnp.asarray(tokens), prompt_lens=jnp.asarray(lens),
@@ -205,7 +224,10 @@ class EngineState:
   drafter_state: Any  # the drafter's own pytree (None for AR)
   step: jax.Array  # [] target passes after the prefill
   active_steps: jax.Array  # [B] passes in which the sequence was still generating
-  accept_hist: jax.Array  # [K+1] how often 0..K drafts were accepted (active sequences); [1] for AR
+  accept_hist: jax.Array  # [K+1] how often 0..K drafts were accepted (active sequences, steps verifying drafts)
+  accept_rate: jax.Array  # [] running per-draft acceptance estimate (draft_length rule; else unused)
+  idle_steps: jax.Array  # [] consecutive 0-size steps (draft_length rule)
+  size_hist: jax.Array  # [n_sizes] steps at each of the rule's sizes ([1]: fixed K)
 
 
 def _streams(seed):
@@ -230,7 +252,10 @@ def start(config: GenerationConfig, params: GenerationParams, inputs: Generation
   return EngineState(tokens=buf, num_tokens=lens + 1, num_new=jnp.ones((b,), jnp.int32),
                      done=(first == inputs.eos_id) | (inputs.max_new <= 1), target_cache=pre.cache,
                      drafter_state=drafter_state, step=jnp.int32(0), active_steps=jnp.zeros((b,), jnp.int32),
-                     accept_hist=jnp.zeros((config.num_draft + 1,), jnp.int32))
+                     accept_hist=jnp.zeros((config.num_draft + 1,), jnp.int32),
+                     accept_rate=jnp.float32(config.draft_length.initial_rate if config.draft_length else 0.0),
+                     idle_steps=jnp.int32(0),
+                     size_hist=jnp.zeros((len(config.draft_length.sizes) if config.draft_length else 1,), jnp.int32))
 
 
 def _truncate(committed, num_commit, num_new, max_new, eos_id):
@@ -247,7 +272,25 @@ def _truncate(committed, num_commit, num_new, max_new, eos_id):
 def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs,
          state: EngineState) -> EngineState:
   """One target pass: draft K tokens (none for AR), verify [pending, drafts], commit the accepted prefix plus the
-  target's own token, and let the drafter read the verified rows."""
+  target's own token, and let the drafter read the verified rows. With `config.draft_length`, K is chosen for this
+  step among the rule's sizes (one compiled branch each, `lax.switch`) from the running acceptance rate."""
+  rule = config.draft_length
+  if rule is None:
+    return step_at(config, params, inputs, state, config.num_draft)[0]
+  index = choose_size_index(rule, state.accept_rate, state.idle_steps)
+  branches = [functools.partial(step_at, config, params, inputs, size=size) for size in rule.sizes]
+  new, n_acc = jax.lax.switch(index, branches, state)
+  size = jnp.asarray(rule.sizes, jnp.int32)[index]
+  return new.replace(accept_rate=update_rate(rule, state.accept_rate, size, n_acc, ~state.done),
+                     idle_steps=jnp.where(size == 0, state.idle_steps + 1, 0),
+                     size_hist=state.size_hist.at[index].add(1))
+
+
+def step_at(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
+          size: int) -> tuple[EngineState, jax.Array]:
+  """`step` verifying `size` drafts (static); 0 is a decode step, in which the drafter proposes nothing (unless
+  it catches up on committed tokens only in propose) and still reads the verified row. Returns (state, accepted
+  drafts [B])."""
   model = nnx.merge(config.graphdef, params.target)
   drafter, k, sp, s = config.drafter, config.num_draft, inputs.sampling, state
   b, max_len = s.tokens.shape
@@ -255,14 +298,16 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
   start_pos = s.target_cache.lengths  # = num_tokens - 1
   pending = jnp.take_along_axis(s.tokens, start_pos[:, None], axis=1)
   accept_key = jax.random.fold_in(accept_stream, s.step)
-  if drafter is None:
-    out = model(pending, cache=s.target_cache, mode="extend")
-    n_acc, committed = jnp.zeros((b,), jnp.int32), sample_token(accept_key, out.logits[:, 0], sp)[:, None]
-    dstate = None
-  else:
+  dstate = s.drafter_state
+  if drafter is not None and (size > 0 or drafter.catch_up_in_propose):
     ctx = ProposeContext(tokens=s.tokens, num_tokens=s.num_tokens, sampling=sp)
-    drafts, q, dstate = drafter.propose(params.drafter, s.drafter_state, ctx,
-                                        jax.random.fold_in(draft_stream, s.step), k, config.sample)
+    drafts, q, dstate = drafter.propose(params.drafter, dstate, ctx, jax.random.fold_in(draft_stream, s.step),
+                                        max(size, 1), config.sample)
+  if size == 0:
+    out = model(pending, cache=s.target_cache, mode="extend", taps=drafter.taps if drafter else (),
+                return_kv=drafter is not None and drafter.needs_target_kv)
+    n_acc, committed = jnp.zeros((b,), jnp.int32), sample_token(accept_key, out.logits[:, 0], sp)[:, None]
+  else:
     out = model(jnp.concatenate([pending, drafts], axis=1), cache=s.target_cache, mode="extend",
                 taps=drafter.taps, return_kv=drafter.needs_target_kv)
     if config.sample:
@@ -272,7 +317,7 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
   active = ~s.done
   n_commit, hit_eos = _truncate(committed, n_acc + 1, s.num_new, inputs.max_new, inputs.eos_id)
   n_commit = jnp.where(active, n_commit, 0)
-  rows = jnp.arange(k + 1)[None, :]
+  rows = jnp.arange(size + 1)[None, :]
   write_pos = jnp.where(rows < n_commit[:, None], s.num_tokens[:, None] + rows, max_len)  # others dropped
   tokens = s.tokens.at[jnp.arange(b)[:, None], write_pos].set(committed, mode="drop")
   num_tokens = s.num_tokens + n_commit
@@ -282,10 +327,13 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
     dstate = drafter.update(params.drafter, dstate, VerifyResult(
         start=start_pos, num_accepted=n_acc, committed=committed, num_committed=n_commit, taps=out.taps,
         new_kv=out.new_kv, target_cache=target_cache, tokens=tokens, num_tokens=num_tokens))
-  hist = s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, k + 1, dtype=jnp.int32) * active[:, None], axis=0)
-  return EngineState(tokens=tokens, num_tokens=num_tokens, num_new=num_new,
-                     done=s.done | (active & (hit_eos | (num_new >= inputs.max_new))), target_cache=target_cache,
-                     drafter_state=dstate, step=s.step + 1, active_steps=s.active_steps + active, accept_hist=hist)
+  hist = s.accept_hist  # counts the steps that verified drafts (AR: every step in [1])
+  if size > 0 or drafter is None:
+    hist = hist + jnp.sum(jax.nn.one_hot(n_acc, k + 1, dtype=jnp.int32) * active[:, None], axis=0)
+  return s.replace(tokens=tokens, num_tokens=num_tokens, num_new=num_new,
+                   done=s.done | (active & (hit_eos | (num_new >= inputs.max_new))), target_cache=target_cache,
+                   drafter_state=dstate, step=s.step + 1, active_steps=s.active_steps + active,
+                   accept_hist=hist), n_acc
 
 
 NO_STEP_LIMIT = np.iinfo(np.int32).max
@@ -384,6 +432,17 @@ def spec_stats(accept_hist, active_steps, num_new, steps) -> dict:
   committed_after_prefill = int((num_new - 1).sum())
   return {"target_forwards": int(steps), "tau": committed_after_prefill / max(int(active_steps.sum()), 1),
           "accept_per_position": at_least, "accept_hist": hist.tolist(), "num_draft_tokens": k}
+
+
+def length_stats(config: GenerationConfig, state: EngineState) -> dict:
+  """With a draft_length rule: its sizes, the share of steps at each, and the rows verified per step."""
+  rule = config.draft_length
+  if rule is None:
+    return {}
+  hist = np.asarray(state.size_hist, np.float64)
+  steps = max(hist.sum(), 1.0)
+  return {"draft_sizes": list(rule.sizes), "size_share": (hist / steps).round(4).tolist(),
+          "rows_per_step": float((hist * (np.asarray(rule.sizes) + 1)).sum() / steps)}
 
 
 def output_stats(out: GenerationOutput) -> dict:

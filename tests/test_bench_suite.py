@@ -159,13 +159,16 @@ def test_method_options_and_config_errors(env, tmp_path):
   m = parse_method("pard:sharpdraft=fixed,num_draft=5", 8)
   assert (m.name, m.num_draft, m.options, m.drafter_dir) == ("pard", 5, (("sharpdraft", "fixed"),), None)
   assert parse_method("dflash:drafter=/x/y", 8).drafter_dir == "/x/y" and m.slug == "pard__sharpdraft-fixed_num_draft-5"
+  assert parse_method("pard", 8).draft_length == "fixed"
+  assert parse_method("prompt-lookup:draft_length=auto", 8).draft_length == "auto"
   bad = {"methods=[nosuch]": "unknown method 'nosuch'", "methods=[pard:colour=red]": "unknown option 'colour'",
          "methods=[pard:sharpdraft]": "not of the form key=value", "methods=[ar:drafter=x]": "ar takes no",
          "methods=[pard:num_draft=0]": "num_draft must be an integer", "methods=[ar,ar]": "duplicates",
          "contexts=[]": "contexts must be", "contexts=[256]": "exceeds cut_min_tokens", "num_prompts=1": "num_prompts",
          "temperatures=[-1]": "temperatures", "docs=[/no/such.txt]": "not found", "ci=1.5": "ci must be",
          "colour=red": "unknown config keys", "rope_scaling=yarn": "TYPE:FACTOR",
-         "reference_context=64": "reference_context 64 is not one of the contexts"}
+         "reference_context=64": "reference_context 64 is not one of the contexts",
+         "methods=[pard:draft_length=sometimes]": "draft_length must be fixed, auto or a rule JSON"}
   for override, msg in bad.items():
     with pytest.raises(ValueError, match=msg):
       load_config(_config(env, tmp_path), [override])
@@ -222,3 +225,15 @@ def test_plots_are_optional(env, tmp_path, capsys, monkeypatch):
   assert (out / "results.json").exists() and not list(out.glob("*.png"))
   md = (out / "results.md").read_text()
   assert "| prompt-lookup | 0 | 48 | 2 |" in md and "## Plots" not in md
+
+
+def test_suite_runs_a_method_with_draft_length_auto(env, tmp_path):
+  out = tmp_path / "out"
+  config = _config(env, tmp_path, methods=["prompt-lookup:draft_length=auto"], contexts=[48], num_prompts=2,
+                   min_docs=2)
+  assert main(["bench-suite", "--config", config, "--out", str(out), "--quiet"]) == 0
+  records = [json.loads(l) for f in (out / "cells").glob("*.jsonl") for l in f.read_text().splitlines()]
+  assert len(records) == 2
+  for r in records:
+    assert r["exact_match_ar"] is True and r["draft_sizes"] == [0, 1, 3]  # K = 3 (the config's num_draft)
+    assert sum(r["size_share"]) == pytest.approx(1.0, abs=1e-3)

@@ -64,11 +64,45 @@ def test_generate_speculative_compare_ar(model_dir, tmp_path, capsys):
     (["--method", "prompt-lookup", "--budget", "64"], "--budget applies to budget"),
     (["--method", "prompt-lookup", "--sharpdraft", "fixed"], "has none"),
     (["--compare-ar"], "--method ar is AR already"),
+    (["--draft-length", "auto"], "--draft-length applies to speculative methods"),
+    (["--method", "prompt-lookup", "--draft-length", "nope.json"], "draft-length rule nope.json not found"),
 ])
 def test_generate_refuses_flags_the_mode_ignores(model_dir, capsys, flags, message):
   assert main(["generate", "--model", str(model_dir), "--prompt", "def f", *flags]) == 2
   err = capsys.readouterr().err
   assert message in err and "loading the target" not in err  # refused before the model loads
+
+
+def test_calibrate_draft_length_then_generate_with_it(model_dir, tmp_path, capsys):
+  """calibrate-draft-length writes a rule with one measured cost per size; generate and bench run with it (and
+  with auto), tokens equal to AR's, and report the share of steps at each size."""
+  prompt = tmp_path / "held_out.py"
+  prompt.write_text(TEXT[:3000])
+  rule = tmp_path / "rule.json"
+  assert main(["calibrate-draft-length", "--model", str(model_dir), "--method", "prompt-lookup", "--prompt-file",
+               str(prompt), "--max-prompt-tokens", "300", "--num-draft", "4", "--steps", "2", "--repeats", "1",
+               "--out", str(rule), "--quiet"]) == 0
+  saved = json.loads(rule.read_text())
+  assert saved["rule"]["sizes"] == [0, 1, 3, 4] and len(saved["rule"]["costs"]) == 4
+  assert min(saved["rule"]["costs"]) > 0 and saved["measured"]["prompt_tokens"] == 300
+  for choice in (str(rule), "auto"):
+    out = tmp_path / "g.json"
+    assert main(["generate", "--model", str(model_dir), "--prompt", TEXT[:400], "--max-new-tokens", "24",
+                 "--method", "prompt-lookup", "--num-draft", "4", "--draft-length", choice, "--compare-ar", "--quiet",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["exact_match_ar"] is True and res["draft_sizes"] == [0, 1, 3, 4]
+    assert sum(res["size_share"]) == pytest.approx(1.0, abs=1e-3) and res["rows_per_step"] >= 1.0
+  bench = tmp_path / "b.json"
+  assert main(["bench", "--model", str(model_dir), "--method", "prompt-lookup", "--text-file",
+               str(model_dir.parent / "text.txt"), "--context", "200", "--new-tokens", "16", "--repeats", "1",
+               "--draft-length", "auto", "--quiet", "--json", str(bench)]) == 0
+  res = json.loads(bench.read_text())
+  assert res["exact_match_ar"] is True and res["draft_length"]["sizes"] == [0, 1, 3, 8] and "size_share" in res
+  with pytest.raises(SystemExit) as e:
+    main(["calibrate-draft-length", "--model", str(model_dir), "--method", "ar", "--prompt-file", str(prompt),
+          "--out", str(rule)])
+  assert e.value.code == 2 and "invalid choice: 'ar'" in capsys.readouterr().err
 
 
 def test_generate_binary_prompt_file(model_dir, tmp_path, capsys):

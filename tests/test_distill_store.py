@@ -132,3 +132,69 @@ def test_bad_settings(setup):
     build_distill_store(_cfg(setup, "bad", feature_dtype="fp4"), show_progress=False)
   with pytest.raises(ValueError, match="taps must be in"):
     build_distill_store(_cfg(setup, "bad", taps=(9,)), show_progress=False)
+
+
+def test_read_rows_windows_and_a_stable_split(setup):
+  store = DistillStore(build_distill_store(_cfg(setup, "plain"), show_progress=False))
+  whole = store.read_window(1)
+  part = store.read_rows(1, 10, 30, taps=[1], features=("taps",))
+  np.testing.assert_array_equal(part["tokens"], whole["tokens"][10:40])
+  np.testing.assert_array_equal(part["taps"], whole["taps"][10:40, 1:2])
+  assert "kv" not in part and store.tap_positions([2]) == [1]
+  with pytest.raises(ValueError, match="not \\[0\\]"):
+    store.tap_positions([0])
+  sampler = ds.StoreWindows(store, np.arange(len(store.windows)), 64, (1, 2), pad_id=1, seed=0)
+  b = sampler.batch(3, 4)
+  assert b["tokens"].shape == (4, 64) and b["taps"].shape == (4, 64, 2, 32) and b["topk_ids"].shape == (4, 64, 5)
+  again = sampler.batch(3, 4, slice(2, 4))  # a resumed run, or another process's rows, draws the same windows
+  np.testing.assert_array_equal(again["tokens"], b["tokens"][2:])
+  last = store.read_rows(len(store.windows) - 1, 0, 256)  # shorter than 256 rows: padded, valid says how far
+  padded = ds.pad_rows([last], 256, pad_id=1)
+  assert padded["valid"][0] == len(last["tokens"]) < 256 and (padded["tokens"][0, len(last["tokens"]):] == 1).all()
+  # The held-out side of a window depends on its window number alone: a grown store keeps every held-out window.
+  small = DistillStore(build_distill_store(_cfg(setup, "split", max_tokens=800), show_progress=False))
+  _, val_small = ds.split_windows(small, 0, 0.3)
+  _, val_big = ds.split_windows(store, 0, 0.3)
+  ids = lambda s, v: {s.windows[i][1]["window"] for i in v}  # noqa: E731
+  assert ids(small, val_small) <= ids(store, val_big)
+  with pytest.raises(ValueError, match="leaves no training"):
+    ds.split_windows(small, 0, 1.0)
+
+
+def test_eagle3_trains_from_the_store_and_stays_lossless(setup, tmp_path):
+  """EAGLE-3 from the store with soft labels: the log carries held-out tau_sim, the export records the store, and
+  the drafter is lossless against the target."""
+  from longspec_jax.drafters.eagle3 import load_eagle3
+  from longspec_jax.inference.generate import generate
+  from longspec_jax.targets import load_target
+  from longspec_jax.training.train_eagle3 import Eagle3TrainConfig, tau_sim, train_eagle3
+  from longspec_jax.yaml_config import from_dict
+  root, model_dir, _ = setup
+  store = build_distill_store(_cfg(setup, "plain"), show_progress=False)
+  cfg = from_dict(Eagle3TrainConfig, dict(
+      store_dir=str(store), distill="kl", out_dir=str(tmp_path / "e3"), aux_layers=[1, 2], draft_vocab_size=64,
+      model=dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64),
+      context_len=32, ttt_steps=2, batch_size=2, steps=4, eval_every=2, optim=dict(lr=0.02, warmup_steps=1),
+      val_fraction=0.3, val_windows=2, compute_dtype="float32", attn_block=32, log_every=1,
+      checkpoint_every_minutes=100.0))
+  final = train_eagle3(cfg)
+  log = [json.loads(l) for l in (tmp_path / "e3" / "train_log.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in log if "val_tau_sim" in r] == [2, 4]
+  acc = [log[-1]["val_acc_0"], log[-1]["val_acc_1"]]
+  assert log[-1]["val_tau_sim"] == pytest.approx(tau_sim(acc), abs=1e-3)
+  info = json.loads((final / "drafter.json").read_text())
+  assert info["loss"] == "kl" and info["draft_vocab_size"] == 64 and info["data"][0]["train_windows"] > 0
+  assert str(root) not in json.dumps(info)  # no absolute machine paths
+  target = load_target(model_dir)
+  prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
+  ar = generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=load_eagle3(final, target),
+                  num_draft=3).tokens == ar
+  with pytest.raises(ValueError, match="needs store_dir"):
+    from_dict(Eagle3TrainConfig, dict(distill="kl"))
+
+
+def test_tau_sim_by_hand():
+  from longspec_jax.training.train_eagle3 import tau_sim
+  assert tau_sim([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+  assert tau_sim([1.0, 0.0, 1.0]) == pytest.approx(2.0)

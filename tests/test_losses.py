@@ -52,3 +52,13 @@ def test_zero_when_the_student_is_the_teacher_and_weights():
   assert float(total) == 1.0 and float(loss) == pytest.approx(want, rel=1e-5)
   with pytest.raises(ValueError, match="must be one of"):
     topk_distillation(logits, ids, logp, "js")
+
+
+def test_masked_teacher_tokens_join_the_rest_on_both_sides():
+  logits, ids, logp = _case()
+  # Token 0 (p 0.3, q 0.1) cannot be produced: p = (0.6, rest 0.4), q = (0.4, rest 0.6).
+  mask = jnp.asarray([[True, False]])
+  want = 0.6 * math.log(0.6 / 0.4) + 0.4 * math.log(0.4 / 0.6)
+  assert float(topk_distillation(logits, ids, logp, "kl", topk_mask=mask)[0]) == pytest.approx(want, rel=1e-5)
+  want_tv = 0.5 * (abs(0.6 - 0.4) + abs(0.4 - 0.6))
+  assert float(topk_distillation(logits, ids, logp, "tv", topk_mask=mask)[0]) == pytest.approx(want_tv, rel=1e-5)

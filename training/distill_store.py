@@ -310,18 +310,95 @@ class DistillStore:
     path = self.dir / shard / f"{key}.npy"
     return np.load(path, mmap_mode="r") if path.exists() else None
 
+  def window_lengths(self) -> np.ndarray:
+    return np.asarray([w["length"] for _, w in self.windows])
+
   def read_window(self, i: int) -> dict[str, np.ndarray]:
     """Window i's rows: tokens, topk_ids, topk_logprobs (float32), and taps / kv (float32) when stored."""
+    return {**self.read_rows(i, 0, self.windows[i][1]["length"]),
+            "generated_from": self.windows[i][1]["generated_from"]}
+
+  def read_rows(self, i: int, start: int, length: int, taps=None,
+                features: tuple[str, ...] = ("taps", "kv")) -> dict[str, np.ndarray]:
+    """Rows [start, start + length) of window i (cut at its end), decoding only what is asked for: the stored
+    taps at positions `taps` of the store's tap list (None = all) and the `features` named."""
     shard, w = self.windows[i]
-    sl = slice(w["offset"], w["offset"] + w["length"])
+    lo = w["offset"] + start
+    sl = slice(lo, w["offset"] + min(start + length, w["length"]))
     out = {"tokens": np.asarray(self._array(shard, "tokens")[sl]),
            "topk_ids": np.asarray(self._array(shard, "topk_ids")[sl], np.int32),
-           "topk_logprobs": np.asarray(self._array(shard, "topk_logprobs")[sl], np.float32),
-           "generated_from": w["generated_from"]}
-    for name in ("taps", "kv"):
+           "topk_logprobs": np.asarray(self._array(shard, "topk_logprobs")[sl], np.float32)}
+    for name in features:
       bits = self._array(shard, name)
-      if bits is not None:
-        scale = self._array(shard, f"{name}_scale")
-        out[name] = decode_features(np.asarray(bits[sl]), self.settings["feature_dtype"],
-                                    None if scale is None else np.asarray(scale[sl]))
+      if bits is None:
+        continue
+      scale = self._array(shard, f"{name}_scale")
+      bits, scale = bits[sl], None if scale is None else scale[sl]
+      if name == "taps" and taps is not None:
+        bits, scale = bits[:, list(taps)], None if scale is None else scale[:, list(taps)]
+      out[name] = decode_features(np.asarray(bits), self.settings["feature_dtype"],
+                                  None if scale is None else np.asarray(scale))
     return out
+
+  def tap_positions(self, layers) -> list[int]:
+    """Positions in the store's tap list of the residual-stream taps `layers`; an error names any not stored."""
+    stored = list(self.settings["taps"])
+    missing = [l for l in layers if l not in stored]
+    if missing:
+      raise ValueError(f"the distillation store at {self.dir} has taps {stored}, not {missing}; rebuild it with "
+                       f"--taps including them")
+    return [stored.index(l) for l in layers]
+
+  def argmax_counts(self, windows, vocab_size: int) -> np.ndarray:
+    """[vocab_size] how often each token is the target's most likely next token over the given windows."""
+    counts = np.zeros(vocab_size, np.int64)
+    for i in windows:
+      shard, w = self.windows[i]
+      ids = self._array(shard, "topk_ids")[w["offset"]:w["offset"] + w["length"], 0]
+      counts += np.bincount(np.asarray(ids, np.int64), minlength=vocab_size)
+    return counts
+
+
+def split_windows(store: DistillStore, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+  """(train, val) positions in store.windows. A window's side is a seeded draw on its window number alone, so it
+  stays put as the store grows (a store extended between runs never moves a held-out window into training)."""
+  held = np.asarray([np.random.default_rng([seed, 11, w["window"]]).random() < val_fraction
+                     for _, w in store.windows], bool)
+  if held.all() or (val_fraction > 0 and not held.any()):
+    raise ValueError(f"val_fraction {val_fraction} leaves no {'training' if held.all() else 'held-out'} windows "
+                     f"among the store's {len(held)}")
+  return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+class StoreWindows:
+  """Training windows of `width` tokens cut from the store's windows `windows` (a window longer than `width`
+  starts at a seeded random offset): batch s is a pure function of (seed, s), so a resumed run replays it.
+  A batch holds tokens [B, W], valid [B], taps [B, W, n, H] (the tap layers asked for), topk_ids /
+  topk_logprobs [B, W, k] (the target's distribution of the next token at each position); short windows are
+  padded with pad_id and zero features, and rows past `valid` carry no loss."""
+
+  def __init__(self, store: DistillStore, windows, width: int, tap_layers, pad_id: int, seed: int):
+    if len(windows) == 0:
+      raise ValueError(f"no windows to train on in the distillation store at {store.dir}")
+    self.store, self.windows, self.width = store, np.asarray(windows), width
+    self.lens = store.window_lengths()[self.windows]
+    self.taps, self.pad_id, self.seed = store.tap_positions(tap_layers), pad_id, seed
+
+  def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
+    from longspec_jax.training.drafter_common import draw_windows
+    _, picks, offs, _ = draw_windows(self.lens, self.seed, step, batch_size, self.width, rows)
+    parts = [self.store.read_rows(int(self.windows[p]), int(o), self.width, self.taps, ("taps",))
+             for p, o in zip(picks, offs)]
+    return pad_rows(parts, self.width, self.pad_id)
+
+
+def pad_rows(parts: list[dict], width: int, pad_id: int) -> dict:
+  """read_rows results stacked into a batch of `width` rows each, with "valid" the real row counts."""
+  out = {"valid": np.asarray([len(p["tokens"]) for p in parts], np.int32)}
+  for key in parts[0]:
+    fill = pad_id if key == "tokens" else 0
+    arr = np.full((len(parts), width) + parts[0][key].shape[1:], fill, parts[0][key].dtype)
+    for i, p in enumerate(parts):
+      arr[i, :len(p[key])] = p[key]
+    out[key] = arr
+  return out

@@ -113,10 +113,10 @@ def fold_input_scale(linear, scale: np.ndarray) -> None:
   linear.kernel[...] = (kernel.astype(jnp.float32) * jnp.asarray(scale).reshape(-1, 1)).astype(kernel.dtype)
 
 
-def train_to_export(run, loss_fn, batch_fn, *, tokens_fn, desc: str):
+def train_to_export(run, loss_fn, batch_fn, *, tokens_fn, desc: str, evaluate=None):
   """Trains `run` (see Run.train). Returns (trained local parameters, None) on the process that exports them, or
   (None, the directory to report): the checkpoints when stopped early, `final` on the other processes."""
-  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=tokens_fn, desc=desc):
+  if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=tokens_fn, desc=desc, evaluate=evaluate):
     return None, run.out / "checkpoints"
   params = run.local_params()  # every process takes part in the gather
   if not is_main_process():  # process 0 exports

@@ -25,7 +25,7 @@ def per_token_nll(logits, targets):
 DISTILL_KINDS = ("kl", "tv", "hard")
 
 
-def topk_distillation(logits, topk_ids, topk_logprobs, kind: str = "kl", weights=None):
+def topk_distillation(logits, topk_ids, topk_logprobs, kind: str = "kl", weights=None, topk_mask=None):
   """Loss against a teacher's top-k next-token distribution (the distillation store's soft labels).
 
   logits [..., V] student; topk_ids / topk_logprobs [..., k] the teacher's k most likely tokens and their
@@ -35,6 +35,8 @@ def topk_distillation(logits, topk_ids, topk_logprobs, kind: str = "kl", weights
     kl   = sum_i p_i (log p_i - log q_i) + p_rest (log p_rest - log q_rest)     (forward KL, teacher first)
     tv   = (sum_i |p_i - q_i| + |p_rest - q_rest|) / 2                          (total variation)
     hard = cross entropy against the teacher's argmax (topk_ids[..., 0])
+  topk_mask [..., k] (None = all True): False moves that teacher token into the rest on both sides (a token the
+  student cannot produce, e.g. outside a draft vocabulary; its id must still index `logits`).
   Returns (weighted mean loss, total weight), as `cross_entropy`."""
   if kind not in DISTILL_KINDS:
     raise ValueError(f"distillation loss must be one of {DISTILL_KINDS}, got {kind!r}")
@@ -43,12 +45,14 @@ def topk_distillation(logits, topk_ids, topk_logprobs, kind: str = "kl", weights
   logq_all = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   logq = jnp.take_along_axis(logq_all, topk_ids, axis=-1)
   logp = topk_logprobs.astype(jnp.float32)
-  p, q = jnp.exp(logp), jnp.exp(logq)
+  keep = jnp.ones(topk_ids.shape, bool) if topk_mask is None else topk_mask
+  p, q = jnp.where(keep, jnp.exp(logp), 0.0), jnp.where(keep, jnp.exp(logq), 0.0)
   eps = 1e-9
   p_rest = jnp.clip(1.0 - p.sum(-1), 0.0, 1.0)
   q_rest = jnp.clip(1.0 - q.sum(-1), 0.0, 1.0)
   if kind == "kl":
-    per_token = jnp.sum(p * (logp - logq), -1) + p_rest * (jnp.log(p_rest + eps) - jnp.log(q_rest + eps))
+    per_token = (jnp.sum(jnp.where(keep, p * (logp - logq), 0.0), -1)
+                 + p_rest * (jnp.log(p_rest + eps) - jnp.log(q_rest + eps)))
   else:
     per_token = 0.5 * (jnp.sum(jnp.abs(p - q), -1) + jnp.abs(p_rest - q_rest))
   if weights is None:

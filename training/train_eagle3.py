@@ -30,6 +30,7 @@ from longspec_jax.training.drafter_data import load_drafter_data, target_name, w
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
 from longspec_jax.training.drafter_common import (data_target, draw_windows, last_logged, pad_token, split_rows,
                                                    train_to_export, write_drafter_json)
+from longspec_jax.training.losses import DISTILL_KINDS, topk_distillation
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
@@ -47,6 +48,10 @@ class Eagle3TrainConfig(RunConfig):
   # Frozen-target taps: "auto" = each data dir's feature cache when present, "recompute" = run the target every
   # step, "require" = the cache or an error.
   features: str = "auto"
+  # A distillation store (`longspec make-distill-store`): replaces data_dirs; the labels are then the target's own
+  # next-token distribution at every position (soft labels), the taps come from the store.
+  store_dir: str = ""
+  distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); see training.losses
   context_len: int = 512  # W: tokens per training window (n0, the context the drafter is trained at)
   ttt_steps: int = 4  # unrolled drafting steps per window
   step_decay: float = 0.8  # weight of step j = step_decay ** j
@@ -65,8 +70,12 @@ class Eagle3TrainConfig(RunConfig):
     if not 0 < self.step_decay <= 1 or not 0 <= self.val_fraction < 1:
       raise ValueError(f"need 0 < step_decay <= 1 and 0 <= val_fraction < 1, got {self.step_decay}, "
                        f"{self.val_fraction}")
-    if not self.data_dirs:
+    if not self.data_dirs and not self.store_dir:
       raise ValueError("data_dirs is empty")
+    if self.distill and not self.store_dir:
+      raise ValueError(f"distill={self.distill!r} needs store_dir (soft labels come from a distillation store)")
+    if self.distill not in ("",) + DISTILL_KINDS:
+      raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
 
 
 class Windows:
@@ -113,9 +122,10 @@ def _ttt_attention(q, k0, v0, diag_k, diag_v):
   return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def _shifted(tokens, shift: int, pad_id: int):
-  """tokens[:, shift:] right-padded back to the same width."""
-  return jnp.concatenate([tokens[:, shift:], jnp.full((tokens.shape[0], shift), pad_id, tokens.dtype)], axis=1)
+def _shifted(rows, shift: int, pad_id: int):
+  """rows[:, shift:] ([B, W, ...]) right-padded with pad_id back to the same width."""
+  pad = jnp.full((rows.shape[0], shift) + rows.shape[2:], pad_id, rows.dtype)
+  return jnp.concatenate([rows[:, shift:], pad], axis=1)
 
 
 def ttt_forward(net: Eagle3Net, embed, tokens, taps, num_steps: int, pad_id: int = 0):
@@ -158,9 +168,22 @@ def _head_stats(net: Eagle3Net, h, targets, weights, t2d):
   return jnp.sum(nll * weights), jnp.sum(hit * weights)
 
 
-def ttt_stats(net: Eagle3Net, frozen, batch, num_steps: int, aux_layers, pad_id: int):
-  """Per-step (CE sum, hits, weight) arrays [num_steps] for a batch. frozen: {"embed": the target's [V, H] table,
-  "t2d": [V] draft ids, and "target": the frozen target unless the batch brings cached "taps"}."""
+def _distill_stats(net: Eagle3Net, h, topk_ids, topk_logprobs, weights, t2d, kind: str):
+  """(summed distillation loss, summed hits on the target's argmax) of one step against the store's soft labels;
+  a teacher token outside the draft vocabulary joins the rest, and a teacher argmax outside it is a miss."""
+  draft = t2d[topk_ids]
+  logits = net.logits(h)
+  mean, total = topk_distillation(logits, jnp.maximum(draft, 0), topk_logprobs, kind, weights, draft >= 0)
+  hit = (jnp.argmax(logits, -1) == draft[..., 0]).astype(jnp.float32)
+  return mean * total, jnp.sum(hit * weights)
+
+
+def ttt_stats(net: Eagle3Net, frozen, batch, num_steps: int, aux_layers, pad_id: int, distill: str = ""):
+  """Per-step (loss sum, hits, weight) arrays [num_steps] for a batch. frozen: {"embed": the target's [V, H]
+  table, "t2d": [V] draft ids, and "target": the frozen target unless the batch brings cached "taps"}. With
+  `distill` the batch brings the target's top-k next-token distribution per position ("topk_ids",
+  "topk_logprobs" [B, W, k]): step j's row p is scored against the target's distribution at position p+1+j and
+  its hits count agreement with the target's argmax there; otherwise CE and hits are on the data's tokens."""
   tokens, valid = batch["tokens"], batch["valid"]
   if "taps" in batch:
     taps = batch["taps"]
@@ -171,15 +194,19 @@ def ttt_stats(net: Eagle3Net, frozen, batch, num_steps: int, aux_layers, pad_id:
   ce, hits, wsum = [], [], []
   for j, (h, tgt) in enumerate(ttt_forward(net, embed, tokens, taps, num_steps, pad_id)):
     w = (jnp.arange(r)[None, :] + 2 + j < valid[:, None]).astype(jnp.float32)
-    c, n_hit = _head_stats(net, h, tgt, w, frozen["t2d"])
+    if distill:
+      ids, logprobs = (_shifted(batch[k], 1 + j, 0)[:, :r] for k in ("topk_ids", "topk_logprobs"))
+      c, n_hit = _distill_stats(net, h, ids, logprobs, w, frozen["t2d"], distill)
+    else:
+      c, n_hit = _head_stats(net, h, tgt, w, frozen["t2d"])
     ce.append(c)
     hits.append(n_hit)
     wsum.append(jnp.sum(w))
   return jnp.stack(ce), jnp.stack(hits), jnp.stack(wsum)
 
 
-def ttt_loss(net, frozen, batch, num_steps: int, decay: float, aux_layers, pad_id: int):
-  ce, hits, w = ttt_stats(net, frozen, batch, num_steps, aux_layers, pad_id)
+def ttt_loss(net, frozen, batch, num_steps: int, decay: float, aux_layers, pad_id: int, distill: str = ""):
+  ce, hits, w = ttt_stats(net, frozen, batch, num_steps, aux_layers, pad_id, distill)
   per_step = ce / jnp.maximum(w, 1.0)
   step_w = decay ** jnp.arange(num_steps, dtype=jnp.float32)
   loss = jnp.sum(step_w * per_step) / jnp.sum(step_w)
@@ -213,6 +240,8 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
   """Trains the EAGLE-3 drafter; returns the exported directory (or the checkpoint dir when stopped early)."""
   from longspec_jax.hf_io import load_model_dir
 
+  if cfg.store_dir:
+    return train_eagle3_from_store(cfg, resume)
   data = _load_data(cfg)
   first_dir, _, manifest = data[0]
   target_dir, target_cfg = data_target(manifest, first_dir, cfg.target_dir)
@@ -275,8 +304,8 @@ def draft_vocab_ids(rows, vocab_size: int, size: int) -> np.ndarray:
   """The `size` target ids most frequent in `rows`, ascending (all ids when size is 0 or >= vocab_size)."""
   if size <= 0 or size >= vocab_size:
     return np.arange(vocab_size)
-  counts = np.bincount(np.concatenate([np.asarray(r, np.int64) for r in rows]), minlength=vocab_size)
-  return np.sort(np.argsort(-counts, kind="stable")[:size])
+  return draft_vocab_from_counts(
+      np.bincount(np.concatenate([np.asarray(r, np.int64) for r in rows]), minlength=vocab_size), size)
 
 
 def frozen_inputs(target, tparams, draft_ids, *, with_target: bool) -> dict:
@@ -344,3 +373,129 @@ def export_eagle3(net, target, cfg: Eagle3TrainConfig, aux, target_dir: Path, da
       **validation_metrics(net, target, cfg, aux, val_rows, pad_id, draft_ids, cached),
   }
   return write_drafter_json(final, info, last=last, train_s=train_s, model=net)
+
+
+# --- training from a distillation store ------------------------------------------------------------------------
+
+def tau_sim(acc_per_step) -> float:
+  """Simulated mean accepted length of a chain from per-position top-1 agreement: 1 + sum_k prod_{i<=k} acc_i."""
+  return float(1.0 + np.sum(np.cumprod(np.asarray(acc_per_step, np.float64))))
+
+
+def store_target(store) -> Path:
+  """The target a store was made with (its recorded name or directory); its weights must be the store's."""
+  from longspec_jax.hf_io import weights_sha256 as sha
+  from longspec_jax.targets import resolve_target_dir
+  target_dir = resolve_target_dir(store.settings["target"])
+  if sha(target_dir) != store.settings["weights_sha256"]:
+    raise ValueError(f"{target_dir} is not the checkpoint that made the distillation store at {store.dir}")
+  return target_dir
+
+
+def store_evaluator(stats_fn, sampler, cfg: Eagle3TrainConfig):
+  """evaluate(params) -> held-out {val_acc_j, val_loss_j, val_tau_sim} over cfg.val_windows fixed windows."""
+  bs = min(cfg.batch_size, cfg.val_windows)
+  batches = [sampler.batch(i, bs) for i in range(-(-cfg.val_windows // bs))]  # read once, reused every time
+
+  def evaluate(params) -> dict:
+    acc = None
+    for b in batches:
+      part = stats_fn(params, b)
+      acc = part if acc is None else tuple(x + y for x, y in zip(acc, part))
+    loss, hits, w = (np.asarray(x, np.float64) for x in acc)
+    top1 = hits / np.maximum(w, 1)
+    out = {f"val_acc_{j}": round(float(a), 4) for j, a in enumerate(top1)}
+    out.update({f"val_loss_{j}": round(float(c), 4) for j, c in enumerate(loss / np.maximum(w, 1))})
+    out["val_tau_sim"] = round(tau_sim(top1), 4)
+    return out
+  return evaluate
+
+
+def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
+  """train_eagle3 on a distillation store: windows of context_len tokens from the store's train windows, taps
+  from the store, the loss `cfg.distill` against the target's soft labels; held-out tau_sim every eval_every
+  steps on the store's held-out windows."""
+  from longspec_jax.hf_io import load_model_dir, weights_sha256 as sha
+  from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
+
+  kind = cfg.distill or "kl"
+  store = DistillStore(cfg.store_dir)
+  target_dir = Path(cfg.target_dir) if cfg.target_dir else store_target(store)
+  dtype = jnp.dtype(cfg.compute_dtype)
+  target = load_model_dir(target_dir, dtype=dtype, attn_block=cfg.attn_block)
+  tcfg = target.cfg
+  pad_id = pad_token(tcfg)
+  aux = tuple(cfg.aux_layers) or default_aux_layers(tcfg.num_hidden_layers)
+  train_w, val_w = split_windows(store, cfg.seed, cfg.val_fraction)
+  sampler = StoreWindows(store, train_w, cfg.context_len, aux, pad_id, cfg.seed)
+  val_sampler = StoreWindows(store, val_w, cfg.context_len, aux, pad_id, cfg.seed + 1)
+  draft_ids = draft_vocab_from_counts(store.argmax_counts(train_w, tcfg.vocab_size), cfg.draft_vocab_size)
+
+  net = create_eagle3_net(drafter_config(tcfg, **cfg.model), tcfg, aux, draft_vocab=len(draft_ids), seed=cfg.seed)
+  head = target.embed_tokens.embedding[...].T if target.lm_head is None else target.lm_head.kernel[...]
+  net.lm_head.kernel[...] = jnp.asarray(head, jnp.float32)[:, draft_ids]
+  train_tokens = int(sampler.lens.sum())
+  print(f"EAGLE-3 drafter from the distillation store {store.dir}: {param_count(net) / 1e6:.2f}M parameters, aux "
+        f"layers {aux}, draft vocabulary {len(draft_ids)}, {len(train_w)} train windows ({train_tokens} tokens) / "
+        f"{len(val_w)} held-out, window {cfg.context_len}, {cfg.ttt_steps} TTT steps, loss {kind}")
+
+  graphdef, params = nnx.split(net)
+  run = start_run(cfg, params, resume=resume, record=dataclasses.asdict(cfg))
+  frozen = run.replicate(frozen_inputs(target, None, draft_ids, with_target=False))
+
+  def loss_fn(p, batch):
+    return ttt_loss(nnx.merge(graphdef, p), batch["frozen"], batch, cfg.ttt_steps, cfg.step_decay, aux, pad_id,
+                    kind)
+
+  def cast(rows):
+    return {**rows, "taps": rows["taps"].astype(dtype)}
+
+  def batch_fn(step):
+    return {**run.batch(lambda r: cast(sampler.batch(step, cfg.batch_size, r)), cfg.batch_size), "frozen": frozen}
+
+  stats = jax.jit(lambda p, f, b: ttt_stats(nnx.merge(graphdef, p), f, b, cfg.ttt_steps, aux, pad_id, kind))
+  local_frozen = frozen_inputs(target, None, draft_ids, with_target=False)
+  evaluate = store_evaluator(lambda p, b: stats(p, local_frozen, cast(b)), val_sampler, cfg)
+  t0 = time.time()
+  trained, stopped = train_to_export(run, loss_fn, batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
+                                     desc="train-eagle3", evaluate=evaluate)
+  if stopped:
+    return stopped
+  net = nnx.merge(graphdef, trained)
+  last = last_logged(cfg.out_dir)
+  final = save_eagle3(net, Path(cfg.out_dir) / "final", aux, tcfg, n0=cfg.context_len,
+                      d2t=np.asarray(draft_ids) - np.arange(len(draft_ids)))
+  held_out = evaluate(trained)
+  info = {
+      "kind": "eagle3",
+      "target": target_name(target_dir),
+      "target_weights_sha256": sha(target_dir),
+      "aux_layers": list(aux),
+      "n0": cfg.context_len,
+      "train_max_len": cfg.context_len + cfg.ttt_steps - 2,
+      "data": [{"distill_store": store.dir.name, "stored_tokens": store.index["stored_tokens"],
+                "train_windows": len(train_w), "train_tokens": train_tokens, "held_out_windows": len(val_w),
+                "store_settings": {k: store.settings[k] for k in ("window_tokens", "topk", "feature_dtype",
+                                                                  "on_policy_fraction", "taps")}}],
+      "loss": kind,
+      "steps": cfg.steps,
+      "batch_size": cfg.batch_size,
+      "ttt_steps": cfg.ttt_steps,
+      "step_decay": cfg.step_decay,
+      "tokens_seen": last.get("tokens"),
+      "epochs": round((last.get("tokens") or 0) / max(train_tokens, 1), 2),
+      "final_loss_per_step": [last.get(f"ce_{j}") for j in range(cfg.ttt_steps)],
+      "final_train_acc_per_step": [last.get(f"acc_{j}") for j in range(cfg.ttt_steps)],
+      "draft_vocab_size": len(draft_ids),
+      "target_taps_from": f"distillation store ({store.settings['feature_dtype']})",
+      "val_top1_per_step": [held_out[f"val_acc_{j}"] for j in range(cfg.ttt_steps)],
+      "val_tau_sim": held_out["val_tau_sim"],
+  }
+  return write_drafter_json(final, info, last=last, train_s=time.time() - t0, model=net)
+
+
+def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
+  """The `size` ids with the largest counts, ascending (all ids when size is 0 or >= the vocabulary)."""
+  if size <= 0 or size >= len(counts):
+    return np.arange(len(counts))
+  return np.sort(np.argsort(-counts, kind="stable")[:size])

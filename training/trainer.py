@@ -61,6 +61,7 @@ class RunConfig:
   log_every: int = 10
   mesh_data: int = 0  # 0 = all devices
   stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
+  eval_every: int = 0  # >0: held-out metrics every this many steps, in the log (trainers that define them)
 
   def require_positive(self, *names: str) -> None:
     for name in names:
@@ -150,9 +151,11 @@ def make_train_step(loss_fn: Callable, optimizer):
 
 def train_loop(state: TrainState, train_step, batch_fn: Callable[[int], dict], total_steps: int,
                checkpointer: Checkpointer, log_path: str | Path, *, log_every: int = 10,
-               tokens_fn: Callable[[int], int] = lambda step: 0, desc: str = "train") -> TrainState:
+               tokens_fn: Callable[[int], int] = lambda step: 0, desc: str = "train",
+               evaluate: Callable[[Any], dict] | None = None, eval_every: int = 0) -> TrainState:
   """Runs steps [state.step, total_steps), checkpointing on the clock and at the end. Safe to kill: a rerun
-  resumes from the last checkpoint and replays the same batches."""
+  resumes from the last checkpoint and replays the same batches. evaluate(params) -> held-out metrics, logged
+  (with the step's training metrics) every `eval_every` steps and at the end."""
   log_path = Path(log_path)
   log_path.parent.mkdir(parents=True, exist_ok=True)
   start = int(state.step)
@@ -165,8 +168,11 @@ def train_loop(state: TrainState, train_step, batch_fn: Callable[[int], dict], t
       batch = batch_fn(step)
       state, metrics = train_step(state, batch)
       tokens_seen += tokens_fn(step)
-      if main and ((step + 1) % log_every == 0 or step + 1 == total_steps):
-        m = {k: float(v) for k, v in metrics.items()}
+      at_eval = evaluate is not None and eval_every > 0 and ((step + 1) % eval_every == 0
+                                                             or step + 1 == total_steps)
+      held_out = evaluate(state.params) if at_eval else {}  # every process takes part
+      if main and ((step + 1) % log_every == 0 or step + 1 == total_steps or at_eval):
+        m = {k: float(v) for k, v in metrics.items()} | held_out
         rec = {"step": step + 1, "tokens": tokens_seen, "elapsed_s": round(time.time() - t0, 1), **m}
         log.write(json.dumps(rec) + "\n")
         log.flush()
@@ -205,14 +211,15 @@ class Run:
     return make_train_step(loss_fn, self.optimizer)
 
   def train(self, train_step, batch_fn: Callable[[int], dict], *, tokens_fn: Callable[[int], int],
-            desc: str) -> bool:
+            desc: str, evaluate: Callable[[Any], dict] | None = None) -> bool:
     """Trains to total_steps, or stops (checkpointed) after cfg.stop_after_steps when that is set and smaller.
     Returns whether the run is finished."""
     steps = self.total_steps
     end = min(steps, self.cfg.stop_after_steps or steps)
     with jax.set_mesh(self.mesh):
       self.state = train_loop(self.state, train_step, batch_fn, end, self.checkpointer, self.out / "train_log.jsonl",
-                              log_every=self.cfg.log_every, tokens_fn=tokens_fn, desc=desc)
+                              log_every=self.cfg.log_every, tokens_fn=tokens_fn, desc=desc, evaluate=evaluate,
+                              eval_every=getattr(self.cfg, "eval_every", 0))
     self.checkpointer.close()
     if end < steps:
       print(f"stopped after step {end} of {steps}; rerun the same command to continue")
@@ -225,7 +232,7 @@ class Run:
 
 
 # Settings a resumed run may change: they do not alter what is trained.
-RESUME_FREE_KEYS = frozenset({"stop_after_steps", "checkpoint_every_minutes", "log_every"})
+RESUME_FREE_KEYS = frozenset({"stop_after_steps", "checkpoint_every_minutes", "log_every", "eval_every"})
 
 
 def start_run(cfg, params, *, resume: bool, total_steps: int | None = None,

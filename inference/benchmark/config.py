@@ -39,6 +39,7 @@ class MethodSpec:
   num_draft: int | None  # None: the drafter's default K
   drafter_dir: str | None
   options: tuple[tuple[str, object], ...]  # keyword options of load_drafter (the registry entry's)
+  draft_length: str = "fixed"  # fixed | auto | a rule JSON (engine.prepare's draft_length)
 
   @property
   def slug(self) -> str:
@@ -56,8 +57,8 @@ def method_options(name: str) -> tuple[str, ...]:
 
 def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
   """`NAME[:key=value[,key=value...]]`, values read as YAML scalars. `num_draft=K` sets K for this method,
-  `drafter=DIR` its checkpoint; the other keys are the method's own options (e.g. `dflash:sharpdraft=fixed`,
-  `budget:budget=256`)."""
+  `drafter=DIR` its checkpoint, `draft_length=auto` (or a rule JSON) its drafts per step; the other keys are the
+  method's own options (e.g. `dflash:sharpdraft=fixed`, `budget:budget=256`)."""
   from longspec_jax.drafters import method_names
   if not isinstance(text, str) or not text.strip():
     raise ValueError(f"a method must be a non-empty string like 'dflash' or 'dflash:sharpdraft=fixed', got {text!r}")
@@ -74,17 +75,20 @@ def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
       raise ValueError(f"method {text!r}: option {key!r} given twice")
     if name == "ar":
       raise ValueError(f"method {text!r}: ar takes no drafter options")
-    if key not in ("num_draft", "drafter", *own):
+    if key not in ("num_draft", "drafter", "draft_length", *own):
       raise ValueError(f"method {text!r}: unknown option {key!r}; options: "
-                       f"{', '.join(('num_draft', 'drafter', *own))}")
+                       f"{', '.join(('num_draft', 'drafter', 'draft_length', *own))}")
     given[key] = yaml.safe_load(raw)
   num_draft = given.pop("num_draft", default_num_draft)
   if num_draft is not None and (not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1):
     raise ValueError(f"method {text!r}: num_draft must be an integer >= 1, got {num_draft!r}")
   drafter_dir = given.pop("drafter", None)
+  draft_length = str(given.pop("draft_length", "fixed"))
+  if draft_length not in ("fixed", "auto") and not Path(draft_length).is_file():
+    raise ValueError(f"method {text!r}: draft_length must be fixed, auto or a rule JSON file, got {draft_length!r}")
   return MethodSpec(text=text.strip(), name=name, num_draft=None if name == "ar" else num_draft,
                     drafter_dir=None if drafter_dir is None else str(drafter_dir),
-                    options=tuple(sorted(given.items())))
+                    options=tuple(sorted(given.items())), draft_length=draft_length)
 
 
 def _check(ok: bool, msg: str) -> None:

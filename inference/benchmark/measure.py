@@ -157,8 +157,40 @@ def measure(timer: Timer, config: engine.GenerationConfig, params, inputs, share
     stats = engine.spec_stats(state.accept_hist, state.active_steps, state.num_new, state.step)
     draft_ms, verify_ms = step_costs(timer, config, params, inputs, state0, repeats)
     diag = diagnostics_program(config, params, inputs, state0) if diagnostics else {}
+    out.update(engine.length_stats(config, state))
     out.update(tau=stats["tau"], accept_hist=stats["accept_hist"], draft_ms_per_step=draft_ms,
                verify_ms_per_step=verify_ms, drafter_state_bytes=state_nbytes(state0.drafter_state),
                diagnostics={k: np.round(np.asarray(v, np.float64), 5).tolist() for k, v in diag.items()})
   out["tokens"] = engine.output_tokens(state, inputs)[0]
   return out
+
+
+# --- draft length calibration ------------------------------------------------------------------------------------
+
+def _steps_at(config: engine.GenerationConfig, params, inputs, state: engine.EngineState, size: int, steps: int):
+  return jax.lax.fori_loop(0, steps, lambda _, s: engine.step_at(config, params, inputs, s, size)[0], state)
+
+
+steps_at_program = jax.jit(_steps_at, static_argnums=(0, 4, 5), compiler_options=COMPILER_OPTIONS)
+
+
+def calibrate_draft_length(model, drafter, prompt_ids: list[int], sizes: tuple[int, ...], steps: int = 16,
+                           repeats: int = 3, timer: Timer | None = None):
+  """A DraftLengthRule over `sizes` (largest = K) whose costs are measured here: `steps` engine steps at each
+  fixed size from the prompt's prefill, timed (median of `repeats`), over the same number of AR steps."""
+  from longspec_jax.inference.draft_length import DraftLengthRule
+  timer = timer or Timer()
+  k = max(sizes)
+  call = dict(max_new_tokens=steps * (k + 1) + 1, eos_id=-1)
+  config, params, inputs = engine.prepare(model, [prompt_ids], drafter=drafter, num_draft=k, **call)
+  ar = engine.prepare(model, [prompt_ids], **call)
+  per_step = {}
+  for name, (c, p, i), wanted in (("ar", ar, (0,)), ("method", (config, params, inputs), sizes)):
+    state = jax.block_until_ready(engine.prefill_program(c, p, i))
+    for size in wanted:
+      _, secs = timer.timed(("steps_at", c, size, steps),
+                            lambda: steps_at_program(c, p, i, state, size, steps), repeats)
+      per_step[name, size] = secs / steps
+  ar_step = per_step["ar", 0]
+  return DraftLengthRule(tuple(sizes), costs=tuple(round(per_step["method", s] / ar_step, 4) for s in sizes)), \
+      1000 * ar_step

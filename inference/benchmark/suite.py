@@ -29,6 +29,7 @@ from longspec_jax.inference import engine
 from longspec_jax.inference.benchmark import measure, provenance, report
 from longspec_jax.inference.benchmark.config import MethodSpec, SuiteConfig, validate
 from longspec_jax.inference.benchmark.prompts import prompt_ids, select_cuts
+from longspec_jax.inference.draft_length import read_draft_length
 
 
 def cell_path(out: Path, method: MethodSpec, context: int, temperature: float) -> Path:
@@ -77,7 +78,8 @@ def load_methods(methods: list[MethodSpec], model, cfg: SuiteConfig, log) -> tup
       continue
     try:
       d = load_drafter(m.name, model, m.drafter_dir, **dict(m.options))
-      config, _, _ = engine.prepare(model, longest, cfg.new_tokens, drafter=d, num_draft=m.num_draft)
+      config, _, _ = engine.prepare(model, longest, cfg.new_tokens, drafter=d, num_draft=m.num_draft,
+                                    draft_length=read_draft_length(m.draft_length))
       ready[m.text] = Method(m, d, config)
     except (ValueError, FileNotFoundError) as e:
       failed[m.text] = f"{type(e).__name__}: {e}"

@@ -61,6 +61,9 @@ class Drafter(Protocol):
   needs_target_kv: bool  # whether verify/prefill results must carry the target's written K/V
   vocab_size: int
   max_draft_tokens: int | None  # the most drafts one proposal can hold (a block drafter's block); None: unbounded
+  # True when the state catches up on committed tokens only in propose (update is a no-op): a step that verifies
+  # no drafts must still call propose (for one draft, discarded). False: update alone keeps the state current.
+  catch_up_in_propose: bool
   # Optional capabilities are declared by the method's registry entry (registry.DrafterEntry): `diagnostics(params,
   # state, ctx) -> dict[str, Array]` (entry.diagnostics; e.g. LongSpark's attention mass per view, recorded by the
   # bench suite) and `attention_logits(params, target, tokens)` (entry.sharpdraft; SharpDraft calibration).

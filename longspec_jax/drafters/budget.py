@@ -108,6 +108,7 @@ class BudgetDrafter:
   taps: tuple = ()
   needs_target_kv: bool = False
   max_draft_tokens = None  # any K: one token per step
+  catch_up_in_propose = True  # propose re-reads the newest committed tokens; update does nothing
 
   def __post_init__(self):
     check_budget(self.budget)

@@ -161,6 +161,7 @@ class DeLSDrafter:
   cfg: DeLSConfig
   name: str = "dels"
   needs_target_kv: bool = False
+  catch_up_in_propose = False  # the base DFlash's update
 
   @property
   def taps(self) -> tuple[int, ...]:

@@ -179,6 +179,7 @@ class DFlashDrafter:
   sharpdraft: object = None  # SharpDraft query scaling (longspec_jax.sharpdraft) or None
   name: str = "dflash"
   needs_target_kv: bool = False
+  catch_up_in_propose = False  # update writes the verified rows' context K/V
 
   @property
   def taps(self) -> tuple[int, ...]:

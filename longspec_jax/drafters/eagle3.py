@@ -131,6 +131,7 @@ class Eagle3Drafter:
   name: str = "eagle3"
   needs_target_kv: bool = False
   max_draft_tokens = None  # any K: a chain of single-token steps
+  catch_up_in_propose = False  # update runs the verified rows
 
   # params = {"net": nnx.State of Eagle3Net, "embed": the target's [V, H] embedding, "d2t": [draft_vocab] int32}
   def _net(self, params) -> Eagle3Net:

@@ -274,6 +274,7 @@ class LongSparkDrafter:
   cfg: LongSparkConfig
   name: str = "longspark"
   needs_target_kv: bool = True
+  catch_up_in_propose = False  # update merges the verified rows into the views
 
   @property
   def taps(self) -> tuple[int, ...]:

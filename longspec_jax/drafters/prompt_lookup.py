@@ -22,6 +22,7 @@ class PromptLookupDrafter:
   taps: tuple = ()
   needs_target_kv: bool = False
   max_draft_tokens = None  # any K: the continuation repeats past the sequence end
+  catch_up_in_propose = False  # no state: it reads the token buffer
 
   def __post_init__(self):
     if not 1 <= self.min_ngram <= self.max_ngram:

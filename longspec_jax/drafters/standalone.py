@@ -50,6 +50,7 @@ class StandaloneDrafter:
   needs_target_kv: bool = False
   sharpdraft: SharpDraft | None = None
   max_draft_tokens = None  # any K: classic mode drafts one token per step, PARD appends K - 1 masks
+  catch_up_in_propose = True  # propose re-reads the newest committed tokens; update does nothing
 
   def __post_init__(self):
     if self.mode not in MODES:

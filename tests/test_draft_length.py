@@ -1,0 +1,131 @@
+"""Draft length chosen per step (inference/draft_length.py through the engine): the rule by hand, the sizes it
+picks counted (never timed) for drafters that are always right and always wrong, exactness of every size and of
+0-size steps for every kind of drafter state, and sampling that still follows the target."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
+from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
+from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.inference.draft_length import DraftLengthRule, choose_size_index, default_sizes, update_rate
+from longspec_jax.inference.generate import generate
+from longspec_jax.model import create_model
+
+from tests.test_speculative import N_POS, N_SAMPLES, PREFIX, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstantDrafter:
+  """Drafts one fixed token every time: wrong whenever the target predicts anything else."""
+  vocab_size: int
+  token: int
+  name: str = "constant"
+  taps: tuple = ()
+  needs_target_kv: bool = False
+  max_draft_tokens = None
+  catch_up_in_propose = False
+
+  def init_state(self, params, prefill, max_len):
+    return None
+
+  def propose(self, params, state, ctx, key, num_draft, sample):
+    drafts = jnp.full((ctx.tokens.shape[0], num_draft), self.token, jnp.int32)
+    return drafts, one_hot_probs(drafts, self.vocab_size) if sample else None, state
+
+  def update(self, params, state, verify):
+    return state
+
+
+@pytest.fixture(scope="module")
+def target():
+  return create_model(_cfg(), seed=0)
+
+
+def test_rule_by_hand():
+  rule = DraftLengthRule((0, 1, 3, 8), draft_cost=0.4, row_cost=0.1)
+  # rate 0: E = 1 at every size, the cheapest (0) wins; rate ~1: E = s + 1, K wins (9 / 2.2 > 4 / 1.7 > 1).
+  assert int(choose_size_index(rule, 0.0, 0)) == 0
+  assert int(choose_size_index(rule, 0.99, 0)) == 3
+  # rate 0.5: E = 1, 1.5, 1.875, ~2.0 over costs 1, 1.5, 1.7, 2.2 -> 1.10 at size 3 is the best
+  assert int(choose_size_index(rule, 0.5, 0)) == 2
+  # a switched-off drafter is probed with the smallest positive size after probe_every idle steps
+  assert int(choose_size_index(rule, 0.0, rule.probe_every)) == 1
+  # update: 3 of 4 rows accepted 2 of 3 drafts, one accepted all 3 (no rejection): 9 / (9 + 3) = 0.75
+  new = update_rate(rule, 0.5, jnp.int32(3), jnp.asarray([2, 2, 2, 3]), jnp.ones(4, bool))
+  assert float(new) == pytest.approx(0.8 * 0.5 + 0.2 * 0.75)
+  assert float(update_rate(rule, 0.5, jnp.int32(0), jnp.zeros(4, jnp.int32), jnp.ones(4, bool))) == 0.5
+  assert float(update_rate(rule, 0.5, jnp.int32(3), jnp.asarray([0, 3, 0, 0]),
+                           jnp.asarray([False, True, False, False]))) == pytest.approx(0.8 * 0.5 + 0.2)
+  assert default_sizes(8) == (0, 1, 3, 8) and default_sizes(2) == (0, 1, 2) and default_sizes(1) == (0, 1)
+  for bad in (dict(sizes=()), dict(sizes=(3, 1)), dict(sizes=(0,)), dict(sizes=(0, 2), decay=1.0),
+              dict(sizes=(0, 2), draft_cost=-1.0), dict(sizes=(0, 2), probe_every=0)):
+    with pytest.raises(ValueError):
+      DraftLengthRule(**bad)
+
+
+def test_always_right_takes_k_and_always_wrong_takes_zero(target):
+  prompts = _prompts(4, [3, 40, 17, 90])
+  ar = generate(target, prompts, max_new_tokens=120, eos_id=-1).tokens
+  right = generate(target, prompts, max_new_tokens=120, eos_id=-1, num_draft=6, draft_length="auto",
+                   drafter=standalone_from_model(target, "classic"))  # the target drafting for itself
+  assert right.tokens == ar
+  share = right.stats["size_share"]
+  assert right.stats["draft_sizes"] == [0, 1, 3, 6] and share[-1] >= 0.8 and share[0] == 0.0
+  wrong_drafter = LoadedDrafter(ConstantDrafter(V, token=2))
+  wrong = generate(target, prompts, max_new_tokens=120, eos_id=-1, num_draft=6, draft_length="auto",
+                   drafter=wrong_drafter)
+  assert wrong.tokens == ar
+  assert wrong.stats["size_share"][0] >= 0.8, wrong.stats
+  assert 1.0 <= wrong.stats["rows_per_step"] < 1.5
+  fixed = generate(target, prompts, max_new_tokens=120, eos_id=-1, num_draft=6, drafter=wrong_drafter)
+  assert fixed.target_forwards == wrong.target_forwards  # nothing accepted either way: one token per pass
+  assert "size_share" not in fixed.stats
+
+
+@pytest.mark.parametrize("name", ["self", "pard", "prompt-lookup"])
+def test_zero_size_steps_keep_the_drafter_current(target, name):
+  """A rule that verifies no drafts for two steps in three (costs make 0 the choice, probes make 1): output equals
+  AR, and the target drafting for itself has every probe accepted, so its state caught up on the 0-size steps."""
+  drafter = {"self": standalone_from_model(target, "classic"),
+             "pard": standalone_from_model(create_model(_cfg(layers=1), seed=7), "pard"),
+             "prompt-lookup": LoadedDrafter(PromptLookupDrafter(V))}[name]
+  prompts = _prompts(4, [3, 40, 17, 90])
+  ar = generate(target, prompts, max_new_tokens=30, eos_id=-1).tokens
+  rule = DraftLengthRule((0, 1), draft_cost=100.0, probe_every=2)
+  out = generate(target, prompts, max_new_tokens=30, eos_id=-1, drafter=drafter, draft_length=rule)
+  assert out.tokens == ar
+  assert out.stats["size_share"][1] == pytest.approx(1 / 3, abs=0.05)
+  hist = out.stats["accept_hist"]
+  if name == "self":
+    assert hist[0] == 0 and hist[1] > 0
+
+
+def test_sampling_with_draft_length_follows_the_target():
+  from flax import nnx
+
+  from longspec_jax.sampling import SamplingParams
+  model = create_model(_cfg(), seed=3)
+  state = nnx.state(model, nnx.Param)
+  state["embed_tokens"]["embedding"][...] = state["embed_tokens"]["embedding"][...] * 3.0
+  nnx.update(model, state)
+  drafter = standalone_from_model(create_model(_cfg(layers=1), seed=7), "classic")
+  marg = _exact_marginals(model, SamplingParams.make(1.0))
+  rule = DraftLengthRule((0, 1, 2), draft_cost=0.2, row_cost=0.05, probe_every=1)
+  out = generate(model, [PREFIX] * N_SAMPLES, max_new_tokens=N_POS, temperature=1.0, seed=11, eos_id=-1,
+                 drafter=drafter, draft_length=rule)
+  assert min(out.stats["size_share"]) < 1.0  # more than one size was used
+  assert min(_chi2_pvalues(out.tokens, marg)) > 0.01 / N_POS
+
+
+def test_bad_draft_length(target):
+  lookup = LoadedDrafter(PromptLookupDrafter(V))
+  with pytest.raises(ValueError, match="apply to speculative decoding"):
+    generate(target, [[3, 4, 5]], draft_length="auto")
+  with pytest.raises(ValueError, match="draft_length must be"):
+    generate(target, [[3, 4, 5]], drafter=lookup, draft_length="sometimes")
+  with pytest.raises(ValueError, match="differs from the draft_length rule"):
+    generate(target, [[3, 4, 5]], drafter=lookup, num_draft=4, draft_length=DraftLengthRule((0, 2)))
