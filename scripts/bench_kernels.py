@@ -86,9 +86,12 @@ def interpret_check():
   c = make_case(256, 64, batch=2, q_len=4, q_heads=4, kv_heads=2, budget=64, chunk=8, window_chunks=2,
                 dtype=jnp.float32)
   ref = {name: jax.jit(fn)(*a) for name, (fn, a) in kernel_fns(c, "reference").items()}
+  errors = {}
   for impl in ("tpu", "gpu"):
     for name, (fn, a) in kernel_fns(c, impl, interpret=True).items():
-      print(f"  {impl:3s} {name:12s} max |kernel - reference| = {max_error(jax.jit(fn)(*a), ref[name]):.2e}")
+      errors[f"{impl}/{name}"] = max_error(jax.jit(fn)(*a), ref[name])
+      print(f"  {impl:3s} {name:12s} max |kernel - reference| = {errors[f'{impl}/{name}']:.2e}")
+  return errors
 
 
 def main():
@@ -107,6 +110,8 @@ def main():
   p.add_argument("--cpu-max-n", type=int, default=4096, help="largest n timed on CPU (reference only)")
   p.add_argument("--kernels", default=",".join(KERNELS))
   p.add_argument("--interpret-check", action="store_true", help="also run kernels in interpret mode (tiny shape)")
+  p.add_argument("--json", metavar="OUT", help="also write the rows (and, on an accelerator, each kernel's max "
+                                               "|kernel - reference| compiled for real) here")
   args = p.parse_args()
   names = [n for n in args.kernels.split(",") if n]
   unknown = set(names) - set(KERNELS)
@@ -122,7 +127,9 @@ def main():
     sizes = [n for n in sizes if n <= args.cpu_max_n]
   print(f"device {jax.devices()[0].device_kind}, dtype {args.dtype}, batch {args.batch}, q_len {args.q_len}, "
         f"heads {args.q_heads}/{args.kv_heads}, budget {args.budget}, chunk {args.chunk}")
-  print(f"{'kernel':12s} {'n':>6s} {'D':>4s} {'reference ms':>13s} {'kernel ms':>10s} {'ref/kernel':>10s}")
+  print(f"{'kernel':12s} {'n':>6s} {'D':>4s} {'reference ms':>13s} {'kernel ms':>10s} {'ref/kernel':>10s} "
+        f"{'max err':>9s}")
+  rows = []
   for d in [int(x) for x in args.head_dims.split(",")]:
     for n in sizes:
       c = make_case(n, d, batch=args.batch, q_len=args.q_len, q_heads=args.q_heads, kv_heads=args.kv_heads,
@@ -132,13 +139,22 @@ def main():
       kers = kernel_fns(c, impl) if impl else {}
       for name in names:
         t_ref = time_fn(*refs[name], args.iters) * 1e3
+        row = {"kernel": name, "n": n, "head_dim": d, "reference_ms": t_ref}
         if impl:
           t_ker = time_fn(*kers[name], args.iters) * 1e3
-          print(f"{name:12s} {n:6d} {d:4d} {t_ref:13.3f} {t_ker:10.3f} {t_ref / t_ker:10.2f}")
+          err = max_error(jax.jit(kers[name][0])(*kers[name][1]), jax.jit(refs[name][0])(*refs[name][1]))
+          row.update(kernel_ms=t_ker, max_error=err)
+          print(f"{name:12s} {n:6d} {d:4d} {t_ref:13.3f} {t_ker:10.3f} {t_ref / t_ker:10.2f} {err:9.2e}")
         else:
-          print(f"{name:12s} {n:6d} {d:4d} {t_ref:13.3f} {'n/a':>10s} {'n/a':>10s}")
-  if args.interpret_check:
-    interpret_check()
+          print(f"{name:12s} {n:6d} {d:4d} {t_ref:13.3f} {'n/a':>10s} {'n/a':>10s} {'n/a':>9s}")
+        rows.append(row)
+  interpret = interpret_check() if args.interpret_check else None
+  if args.json:
+    import json
+    from pathlib import Path
+    Path(args.json).write_text(json.dumps({"backend": backend, "device": jax.devices()[0].device_kind,
+                                           "dtype": args.dtype, "rows": rows, "interpret_errors": interpret},
+                                          indent=1))
 
 
 if __name__ == "__main__":

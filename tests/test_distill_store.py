@@ -192,6 +192,23 @@ def test_eagle3_trains_from_the_store_and_stays_lossless(setup, tmp_path):
                   num_draft=3).tokens == ar
   with pytest.raises(ValueError, match="needs store_dir"):
     from_dict(Eagle3TrainConfig, dict(distill="kl"))
+  # Evaluated on the same held-out windows afterwards, it scores what its last log says; a copy with a smaller
+  # draft vocabulary keeps the most frequent target argmax tokens and stays lossless.
+  from longspec_jax.training.train_eagle3 import evaluate_on_store, shrink_draft_vocab
+  again = evaluate_on_store(load_eagle3(final, target), target, store, context_len=32, ttt_steps=2,
+                            val_windows=2, val_fraction=0.3)
+  assert again["val_tau_sim"] == pytest.approx(log[-1]["val_tau_sim"], abs=0.02)
+  small = shrink_draft_vocab(final, target, store, 16, tmp_path / "small", val_fraction=0.3)
+  info = json.loads((small / "drafter.json").read_text())
+  assert info["draft_vocab_size"] == 16 and info["draft_vocab_shrunk_from"] == 64
+  assert 0 < info["argmax_share_kept"]["train"] <= info["argmax_share_kept"]["before_train"] <= 1
+  shrunk = load_eagle3(small, target)
+  assert shrunk.spec.draft_vocab_size == 16
+  kept = set((np.arange(16) + np.asarray(shrunk.params["d2t"])).tolist())
+  assert kept <= set((np.arange(64) + np.asarray(load_eagle3(final, target).params["d2t"])).tolist())
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=shrunk, num_draft=3).tokens == ar
+  with pytest.raises(ValueError, match="size must be in"):
+    shrink_draft_vocab(final, target, store, 64, tmp_path / "same")
 
 
 def test_tau_sim_by_hand():

@@ -499,3 +499,67 @@ def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
   if size <= 0 or size >= len(counts):
     return np.arange(len(counts))
   return np.sort(np.argsort(-counts, kind="stable")[:size])
+
+
+# --- a shipped drafter against the store: held-out tau_sim, and a smaller draft vocabulary ---------------------
+
+def evaluate_on_store(loaded, target, store_dir, *, context_len: int = 512, ttt_steps: int = 4,
+                      val_windows: int = 32, val_fraction: float = 0.03, seed: int = 0) -> dict:
+  """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an EAGLE-3 drafter (`load_eagle3`) on the store's
+  held-out windows (the split train_eagle3_from_store uses with the same seed and val_fraction): drafters trained
+  any way are compared on the same rows."""
+  from types import SimpleNamespace
+
+  from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
+  spec, params = loaded.spec, loaded.params
+  store = DistillStore(store_dir)
+  _, val_w = split_windows(store, seed, val_fraction)
+  pad_id = pad_token(target.cfg)
+  sampler = StoreWindows(store, val_w, context_len, spec.taps, pad_id, seed + 1)
+  draft_ids = np.arange(spec.draft_vocab_size) + np.asarray(params["d2t"])
+  frozen = jax.tree.map(jnp.asarray, frozen_inputs(target, None, draft_ids, with_target=False))
+  graphdef = spec.graphdef
+  stats = jax.jit(lambda p, b: ttt_stats(nnx.merge(graphdef, p), frozen, b, ttt_steps, spec.taps, pad_id, "kl"))
+  cfg = SimpleNamespace(batch_size=4, val_windows=val_windows)
+  cast = lambda b: {**b, "taps": b["taps"].astype(np.float32)}  # noqa: E731
+  return store_evaluator(lambda p, b: stats(p, cast(b)), sampler, cfg)(params["net"])
+
+
+def shrink_draft_vocab(drafter_dir, target, store_dir, size: int, out_dir, *, val_fraction: float = 0.03,
+                       seed: int = 0) -> Path:
+  """A copy of an EAGLE-3 drafter whose draft vocabulary keeps only the `size` tokens of its own that are the
+  target's argmax most often on the store's train windows (the LM head's other rows dropped): a smaller checkpoint
+  and a cheaper head, at the acceptance of the dropped tokens (drafter.json records the argmax share kept)."""
+  import json
+  import shutil
+
+  from longspec_jax.drafters.eagle3 import load_eagle3
+  from longspec_jax.training.distill_store import DistillStore, split_windows
+  loaded = load_eagle3(drafter_dir, target)
+  spec, params = loaded.spec, loaded.params
+  ids = np.arange(spec.draft_vocab_size) + np.asarray(params["d2t"])
+  if not 0 < size < len(ids):
+    raise ValueError(f"size must be in [1, {len(ids)}) (the drafter's draft vocabulary), got {size}")
+  store = DistillStore(store_dir)
+  train_w, val_w = split_windows(store, seed, val_fraction)
+  counts = store.argmax_counts(train_w, target.cfg.vocab_size)
+  rows = np.sort(np.argsort(-counts[ids], kind="stable")[:size])  # positions in the old draft vocabulary
+  small = nnx.merge(spec.graphdef, params["net"])
+  small.lm_head.kernel = nnx.Param(small.lm_head.kernel[...][:, rows])  # the kept draft ids' rows of the head
+  keep = ids[rows]
+  meta = json.loads((Path(drafter_dir) / "config.json").read_text())
+  out = save_eagle3(small, out_dir, spec.taps, target.cfg, n0=meta.get("n0"), d2t=keep - np.arange(size))
+  held_out = store.argmax_counts(val_w, target.cfg.vocab_size)
+  info_path = Path(drafter_dir) / "drafter.json"
+  info = json.loads(info_path.read_text()) if info_path.exists() else {}
+  info.update(draft_vocab_size=size, parameters=param_count(small),
+              draft_vocab_shrunk_from=len(ids),
+              argmax_share_kept={"train": round(float(counts[keep].sum() / counts.sum()), 4),
+                                 "held_out": round(float(held_out[keep].sum() / held_out.sum()), 4),
+                                 "before_train": round(float(counts[ids].sum() / counts.sum()), 4),
+                                 "before_held_out": round(float(held_out[ids].sum() / held_out.sum()), 4)})
+  (out / "drafter.json").write_text(json.dumps(info, indent=2))
+  for extra in ("sharpdraft.json",):
+    if (Path(drafter_dir) / extra).exists():
+      shutil.copy(Path(drafter_dir) / extra, out / extra)
+  return out

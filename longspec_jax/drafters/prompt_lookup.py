@@ -32,10 +32,17 @@ class PromptLookupDrafter:
     return ()  # stateless: the token buffer is all it reads
 
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+    drafts, _ = self.lookup(ctx, num_draft)
+    probs = one_hot_probs(drafts, self.vocab_size) if sample else None
+    return drafts, probs, state
+
+  def lookup(self, ctx, num_draft: int):
+    """(drafts [B, K], matched n-gram length [B]; 0 = no match, drafts repeat the last token)."""
     tokens, n_tok = ctx.tokens, ctx.num_tokens
     b, s_max = tokens.shape
     j = jnp.arange(s_max)[None, :]  # candidate end position of an earlier n-gram occurrence
     best = jnp.full((b,), -1, jnp.int32)
+    matched = jnp.zeros((b,), jnp.int32)
     for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest n-gram wins
       match = (j >= n - 1) & (j < n_tok[:, None] - 1)  # strictly before the suffix itself
       for i in range(n):
@@ -43,6 +50,7 @@ class PromptLookupDrafter:
         match &= jnp.roll(tokens, i, axis=1) == suffix_tok
       match &= (n_tok[:, None] >= n)
       latest = jnp.max(jnp.where(match, j, -1), axis=1)
+      matched = jnp.where((best < 0) & (latest >= 0), n, matched)
       best = jnp.where(best >= 0, best, latest)
     # Continue after the match. A match that ends `period` tokens before the sequence end is a repeat with that
     # period, so past the sequence end the continuation keeps repeating it (draft i = draft i - period).
@@ -50,9 +58,7 @@ class PromptLookupDrafter:
     idx = best[:, None] + 1 + jnp.arange(num_draft)[None, :] % period
     last = jnp.take_along_axis(tokens, (n_tok - 1)[:, None], axis=1)
     cand = jnp.take_along_axis(tokens, jnp.clip(idx, 0, s_max - 1), axis=1)
-    drafts = jnp.where(best[:, None] >= 0, cand, last).astype(jnp.int32)
-    probs = one_hot_probs(drafts, self.vocab_size) if sample else None
-    return drafts, probs, state
+    return jnp.where(best[:, None] >= 0, cand, last).astype(jnp.int32), matched
 
   def update(self, params, state, verify):
     return state

