@@ -15,7 +15,8 @@ from longspec_jax.inference.draft_length import DraftLengthRule, choose_size_ind
 from longspec_jax.inference.generate import generate
 from longspec_jax.model import create_model
 
-from tests.test_speculative import N_POS, N_SAMPLES, PREFIX, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts
+from tests.test_speculative import (N_POS, N_SAMPLES, PREFIX, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts,
+                                    peaky_model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,13 +106,8 @@ def test_zero_size_steps_keep_the_drafter_current(target, name):
 
 
 def test_sampling_with_draft_length_follows_the_target():
-  from flax import nnx
-
   from longspec_jax.sampling import SamplingParams
-  model = create_model(_cfg(), seed=3)
-  state = nnx.state(model, nnx.Param)
-  state["embed_tokens"]["embedding"][...] = state["embed_tokens"]["embedding"][...] * 3.0
-  nnx.update(model, state)
+  model = peaky_model()
   drafter = standalone_from_model(create_model(_cfg(layers=1), seed=7), "classic")
   marg = _exact_marginals(model, SamplingParams.make(1.0))
   rule = DraftLengthRule((0, 1, 2), draft_cost=0.2, row_cost=0.05, probe_every=1)

@@ -15,7 +15,7 @@ from longspec_jax.inference.generate import generate
 from longspec_jax.model import create_model
 from longspec_jax.sampling import SamplingParams
 from tests.test_draft_length import ConstantDrafter
-from tests.test_speculative import N_POS, N_SAMPLES, PREFIX, V, _cfg, _chi2_pvalues, _exact_marginals
+from tests.test_speculative import N_POS, N_SAMPLES, PREFIX, V, _cfg, _chi2_pvalues, _exact_marginals, peaky_model
 
 
 def test_lookup_proposes_on_a_match_and_the_learned_drafter_elsewhere():
@@ -52,11 +52,7 @@ def test_hybrid_with_the_shipped_eagle3_equals_ar():
 
 
 def test_hybrid_sampling_follows_the_target():
-  from flax import nnx
-  model = create_model(_cfg(), seed=3)
-  state = nnx.state(model, nnx.Param)
-  state["embed_tokens"]["embedding"][...] = state["embed_tokens"]["embedding"][...] * 3.0
-  nnx.update(model, state)
+  model = peaky_model()
   learned = standalone_from_model(create_model(_cfg(layers=1), seed=7), "classic")
   hybrid = LoadedDrafter(HybridDrafter(PromptLookupDrafter(V), learned.spec, min_match=1), learned.params)
   out = generate(model, [PREFIX] * N_SAMPLES, max_new_tokens=N_POS, temperature=1.0, seed=11, eos_id=-1,

@@ -172,9 +172,8 @@ def _sample(target, drafter, temperature, top_k, top_p, seed):
   return generate(target, prompts, drafter=drafter, num_draft=2, **kw).tokens
 
 
-@pytest.fixture(scope="module")
-def peaky_target():
-  # Larger logits than a fresh init so the distribution is neither flat nor one-hot.
+def peaky_model():
+  """Larger logits than a fresh init, so the distribution is neither flat nor one-hot."""
   model = create_model(_cfg(), seed=3)
   from flax import nnx
   state = nnx.state(model, nnx.Param)
@@ -182,6 +181,11 @@ def peaky_target():
   emb[...] = emb[...] * 3.0
   nnx.update(model, state)
   return model
+
+
+@pytest.fixture(scope="module")
+def peaky_target():
+  return peaky_model()
 
 
 @pytest.mark.parametrize("drafter_name,temperature,top_k,top_p", [
