@@ -392,10 +392,10 @@ def store_target(store) -> Path:
   return target_dir
 
 
-def store_evaluator(stats_fn, sampler, cfg: Eagle3TrainConfig):
-  """evaluate(params) -> held-out {val_acc_j, val_loss_j, val_tau_sim} over cfg.val_windows fixed windows."""
-  bs = min(cfg.batch_size, cfg.val_windows)
-  batches = [sampler.batch(i, bs) for i in range(-(-cfg.val_windows // bs))]  # read once, reused every time
+def store_evaluator(stats_fn, sampler, batch_size: int, val_windows: int):
+  """evaluate(params) -> held-out {val_acc_j, val_loss_j, val_tau_sim} over `val_windows` fixed windows."""
+  bs = min(batch_size, val_windows)
+  batches = [sampler.batch(i, bs) for i in range(-(-val_windows // bs))]  # read once, reused every time
 
   def evaluate(params) -> dict:
     acc = None
@@ -455,7 +455,8 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
 
   stats = jax.jit(lambda p, f, b: ttt_stats(nnx.merge(graphdef, p), f, b, cfg.ttt_steps, aux, pad_id, kind))
   local_frozen = frozen_inputs(target, None, draft_ids, with_target=False)
-  evaluate = store_evaluator(lambda p, b: stats(p, local_frozen, cast(b)), val_sampler, cfg)
+  evaluate = store_evaluator(lambda p, b: stats(p, local_frozen, cast(b)), val_sampler, cfg.batch_size,
+                             cfg.val_windows)
   t0 = time.time()
   trained, stopped = train_to_export(run, loss_fn, batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
                                      desc="train-eagle3", evaluate=evaluate)
@@ -508,8 +509,6 @@ def evaluate_on_store(loaded, target, store_dir, *, context_len: int = 512, ttt_
   """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an EAGLE-3 drafter (`load_eagle3`) on the store's
   held-out windows (the split train_eagle3_from_store uses with the same seed and val_fraction): drafters trained
   any way are compared on the same rows."""
-  from types import SimpleNamespace
-
   from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
   spec, params = loaded.spec, loaded.params
   store = DistillStore(store_dir)
@@ -520,9 +519,8 @@ def evaluate_on_store(loaded, target, store_dir, *, context_len: int = 512, ttt_
   frozen = jax.tree.map(jnp.asarray, frozen_inputs(target, None, draft_ids, with_target=False))
   graphdef = spec.graphdef
   stats = jax.jit(lambda p, b: ttt_stats(nnx.merge(graphdef, p), frozen, b, ttt_steps, spec.taps, pad_id, "kl"))
-  cfg = SimpleNamespace(batch_size=4, val_windows=val_windows)
   cast = lambda b: {**b, "taps": b["taps"].astype(np.float32)}  # noqa: E731
-  return store_evaluator(lambda p, b: stats(p, cast(b)), sampler, cfg)(params["net"])
+  return store_evaluator(lambda p, b: stats(p, cast(b)), sampler, 4, val_windows)(params["net"])
 
 
 def shrink_draft_vocab(drafter_dir, target, store_dir, size: int, out_dir, *, val_fraction: float = 0.03,
