@@ -43,11 +43,11 @@ def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
 def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
               seed: int = 0, batch: int = 1, num_draft: int | None = None, drafter_dir=None, repeats: int = 3,
               top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None,
-              budget: int | None = None, draft_length=None) -> dict:
+              budget: int | None = None, draft_length=None, learned: str | None = None) -> dict:
   """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
   in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)
-  drafter = load_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget)
+  drafter = load_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget, learned=learned)
   prompts = bench_prompts(tok.encode(text).ids, context, batch, model.cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
   # The speculative call as generate() will run it: checks, K (the drafter's default when None), buckets.
@@ -63,9 +63,11 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
          "num_draft_tokens": spec_call[0].num_draft if spec_call else 0,
          "draft_length": spec_call[0].draft_length.to_json() if spec_call and spec_call[0].draft_length else "fixed",
          "ar_tokens_per_s": ar_tps, "ar_prefill_ms": 1000 * ar_prefill,
-         "ar_decode_ms": 1000 * ar_decode}
+         "ar_decode_ms": 1000 * ar_decode, "ar_tokens": ar.tokens[0]}
   if budget is not None:
     out["budget"] = budget
+  if learned is not None:
+    out["learned"] = learned
   if drafter is None:
     out.update(tau=1.0, accept_per_position=[], target_forwards=ar.target_forwards, tokens_per_s=ar_tps,
                speedup=1.0, draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,
@@ -84,7 +86,7 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
                verify_ms_per_step=verify_ms, drafter_state_bytes=state_bytes,
                # What a verify pass costs in AR steps (same process): speedup ~ tau / (this + draft/AR step).
                verify_over_decode=verify_ms * ar_tps / 1000 if ar_tps else None,
-               **{k: res.stats[k] for k in ("draft_sizes", "size_share", "rows_per_step") if k in res.stats},
+               **{k: res.stats[k] for k in ("draft_sizes", "size_share", "rows_per_step", "class_rates") if k in res.stats},
                exact_match_ar=(res.tokens == ar.tokens) if temperature == 0 else None)
   out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return out

@@ -91,8 +91,11 @@ def draft_length_arg(a):
 
 
 DRAFT_LENGTH_HELP = ("drafts verified per step: fixed (K every step), auto (chosen per step among 0, 1, 3 and K from "
-                     "the running acceptance rate; 0 is a plain decode step), or a rule JSON from "
-                     "calibrate-draft-length (costs measured on this machine)")
+                     "running acceptance rates, one per draft class such as prompt lookup's matched n-gram length; "
+                     "0 is a plain decode step), or a rule JSON from calibrate-draft-length (costs measured on this "
+                     "machine)")
+LEARNED_HELP = ("the hybrid's learned drafter, proposing where prompt lookup finds no repeat (default eagle3); "
+                "--drafter is then its checkpoint")
 
 
 def read_text_file(path: str, what: str) -> str:
@@ -109,7 +112,7 @@ def check_method_flags(a) -> None:
   """Flags that the chosen method (or sampling mode) would ignore are refused, before any model loads."""
   from longspec_jax.drafters import check_drafter_options
   method = a.method
-  check_drafter_options(method, a.sharpdraft, a.budget)
+  check_drafter_options(method, a.sharpdraft, a.budget, a.learned)
   check_draft_length_flag(a)
   if method == "ar":
     for flag, value in (("--num-draft", a.num_draft), ("--drafter", a.drafter)):
@@ -168,7 +171,7 @@ def cmd_generate(a) -> int:
   ids = encode_prompt(tok, text, model.cfg.bos_token_id)
   if a.max_prompt_tokens is not None:
     ids = ids[:a.max_prompt_tokens]
-  drafter = load_drafter(a.method, model, a.drafter, sharpdraft=a.sharpdraft, budget=a.budget)
+  drafter = load_drafter(a.method, model, a.drafter, sharpdraft=a.sharpdraft, budget=a.budget, learned=a.learned)
   call = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               seed=a.seed)
   config, params, inputs = engine.prepare(model, [ids], drafter=drafter, num_draft=a.num_draft,
@@ -297,10 +300,14 @@ def cmd_bench(a) -> int:
   # Every check that needs only the flags and files runs before the model loads.
   path = Path(a.text_file)
   text = read_text_file(a.text_file, "text file")
-  check_drafter_options(a.method, a.sharpdraft, a.budget)
+  check_drafter_options(a.method, a.sharpdraft, a.budget, a.learned)
   check_draft_length_flag(a)
-  if a.peer == "transformers" and importlib.util.find_spec("torch") is None:
+  a.peer = a.peer or []
+  if "transformers" in a.peer and importlib.util.find_spec("torch") is None:
     raise ValueError("--peer transformers needs torch: pip install -e \".[test]\"")
+  if "llama.cpp" in a.peer:
+    from longspec_jax.inference.benchmark.llamacpp import check_peer
+    gguf = check_peer(a.model, a.rope_scaling)
   log = progress(a)
   log("importing jax")
   from longspec_jax.inference.bench import run_bench
@@ -312,7 +319,7 @@ def cmd_bench(a) -> int:
   model_dir = _model_dir(a.model)
   cfg = ModelConfig.from_json_file(model_dir / "config.json")
   if a.method != "ar" and drafter_entry(a.method).checkpoint:
-    drafter_path(a.method, a.drafter, cfg)  # raises if the checkpoint is missing
+    drafter_path(a.method, a.drafter, cfg, a.learned)  # raises if the checkpoint is missing
   tok = load_tokenizer(model_dir)
   ids = tok.encode(text).ids
   bench_prompts(ids, a.context, a.batch, cfg.bos_token_id)  # raises if the text is too short for the flags
@@ -322,15 +329,27 @@ def cmd_bench(a) -> int:
       f"method {a.method} vs AR, {a.repeats} timed repeats each after a compiling call")
   res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
                   a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, log=log, budget=a.budget,
+                  learned=a.learned,
                   draft_length=draft_length_arg(a))
-  if a.peer == "transformers":
+  if "transformers" in a.peer:
     log("transformers peers on the same weights: AR, assisted generation, prompt lookup")
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
     prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
     peers = transformers_peers(model, model_dir, drafter_dir if drafter_dir.exists() else None, prompts,
                                a.new_tokens, res["num_draft_tokens"] or 8, a.temperature, a.seed, a.repeats)
-    res["peer_tokens_per_s"] = {name: p["tokens_per_s"] for name, p in peers.items()}
-    res["peer_timing"] = peers  # prefill and decode ms per peer, timed inside each call
+    res.setdefault("peer_tokens_per_s", {}).update({name: p["tokens_per_s"] for name, p in peers.items()})
+    res.setdefault("peer_timing", {}).update(peers)  # prefill and decode ms per peer, timed inside each call
+  if "llama.cpp" in a.peer:
+    from longspec_jax.inference.benchmark.llamacpp import agreement, run_peers
+    log("llama.cpp peers on the GGUF the target comes from: AR, prompt lookup (each in a child process)")
+    prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
+    peers = run_peers(gguf, prompts[0], a.new_tokens, res["num_draft_tokens"] or 8, temperature=a.temperature,
+                      seed=a.seed, repeats=a.repeats, rope_scaling=a.rope_scaling)
+    res.setdefault("peer_tokens_per_s", {}).update({name: p["tokens_per_s"] for name, p in peers.items()})
+    res.setdefault("peer_timing", {}).update({name: {k: v for k, v in p.items() if k != "tokens"}
+                                              for name, p in peers.items()})
+    if a.temperature == 0:  # where llama.cpp's greedy tokens (4-bit weights) part from ours (fp32)
+      res["peer_agreement_with_ar"] = {name: agreement(res["ar_tokens"], p["tokens"]) for name, p in peers.items()}
   res.update(text_file=str(path), model=str(a.model or model_dir), rope_scaling=a.rope_scaling)
   print(json.dumps(res, indent=2))
   _write_json(a.json, res)
@@ -423,7 +442,7 @@ def cmd_bench_suite(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
   # Building the parser imports no jax (the registry and SharpDraft names are jax-free): --help stays fast.
-  from longspec_jax.drafters import method_names
+  from longspec_jax.drafters import LEARNED_METHODS, method_names
   from longspec_jax.sharpdraft_names import CHOICES as SHARPDRAFT_CHOICES
 
   p = argparse.ArgumentParser(prog="longspec", description=DESCRIPTION, epilog=EPILOG,
@@ -455,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="SharpDraft query scaling of the drafter (needs sharpdraft.json: calibrate-sharpdraft)")
   g.add_argument("--budget", type=positive_int,
                  help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
+  g.add_argument("--learned", choices=LEARNED_METHODS, help=LEARNED_HELP)
   g.add_argument("--draft-length", metavar="fixed|auto|RULE.json", default="fixed", help=DRAFT_LENGTH_HELP)
   g.add_argument("--compare-ar", action="store_true",
                  help="also run plain AR on the same prompt: its tokens/s, the speedup, and whether the tokens are "
@@ -548,11 +568,15 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--dtype", choices=TARGET_DTYPES, default="float32", help=DTYPE_HELP)
   bn.add_argument("--drafter", help="drafter directory (default: the shipped one for the method)")
   bn.add_argument("--repeats", type=positive_int, default=3, help="timed calls per method after a compiling one")
-  bn.add_argument("--peer", choices=["transformers"], help="also time transformers peers on the same weights")
+  bn.add_argument("--peer", choices=["transformers", "llama.cpp"], action="append",
+                  help="also time peers (repeat the flag for both): transformers on the same weights (AR, assisted, prompt lookup), or "
+                       "llama.cpp on the GGUF a named target comes from (AR, prompt lookup; needs the llamacpp "
+                       "extra)")
   bn.add_argument("--sharpdraft", choices=SHARPDRAFT_CHOICES, default="off",
                   help="SharpDraft query scaling of the drafter (needs sharpdraft.json: calibrate-sharpdraft)")
   bn.add_argument("--budget", type=positive_int,
                   help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
+  bn.add_argument("--learned", choices=LEARNED_METHODS, help=LEARNED_HELP)
   bn.add_argument("--json", metavar="OUT", help="also write the result here")
   bn.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
   bn.set_defaults(fn=cmd_bench)

@@ -1,17 +1,25 @@
 """Draft length chosen per step: among a few sizes compiled once (0 = a plain decode step), the one with the most
-expected committed tokens per unit of step cost, from a running estimate of the drafter's acceptance rate.
+expected committed tokens per unit of step cost, from running estimates of the drafter's acceptance rate.
 
 Model. With per-draft acceptance rate a (each draft accepted with probability a, given the ones before it were),
-a step that verifies s drafts commits E(s) = 1 + a + ... + a^s tokens on average and costs C(s) decode steps
-(AR's one-row step is 1): measured per size (`costs`, from `longspec calibrate-draft-length`), or by default
-1 + draft_cost [s > 0] + row_cost * s. The rule picks
-argmax_s E(s) / C(s). The rate is an exponential moving average of each step's estimate
-a_hat = accepted / (accepted + rejections) over the batch's active rows (a step that accepts all s drafts saw no
-rejection), so only steps that verified drafts move it. A drafter switched off (size 0) is probed with the
-smallest positive size after `probe_every` consecutive 0-size steps, so the rate can recover.
+a step that verifies s drafts commits E(s) = 1 + a + ... + a^s tokens per sequence on average and costs C(s)
+decode steps (AR's one-row step is 1): measured per size (`costs`, from `longspec calibrate-draft-length`), or by
+default 1 + draft_cost * p * [s > 0] + row_cost * s, where p is the drafter's proposal-cost scale (1 for a learned
+drafter's pass, 0 for a lookup in the token buffer). The rule picks argmax_s sum_b E_b(s) / C(s) over the batch's
+active sequences: one size per step for the whole batch.
 
-Lossless: the size is a function of earlier steps only (the rate and a counter), and every size is an exact
-verification (greedy or rejection sampling), so the output distribution is the target's whatever the sizes.
+Draft classes. A drafter may sort its sequences, before it proposes, into classes whose acceptance differs
+(`draft_classes` and `draft_class(ctx)`: prompt lookup by the length of the n-gram it matched, 0 = none). The
+rule then keeps one rate per class. This is what makes bursty acceptance work: a lookup that matched 3 tokens is
+usually right while one with no match is nearly always wrong, and a single average would turn it down between
+repeats and up inside them too late. Each rate is an exponential moving average of the per-step estimate
+a_hat = accepted / (accepted + rejections) over the active sequences of that class (a sequence that accepts all
+s drafts saw no rejection), moved only by steps that verified drafts. After `probe_every` consecutive 0-size
+steps, one step uses the smallest positive size, so a rate can recover.
+
+Lossless: the size is a function of committed tokens and earlier steps only (the class, the rates, a counter),
+and every size is an exact verification (greedy or rejection sampling), so the output distribution is the
+target's whatever the sizes.
 
 The default costs are round numbers from this CPU's SmolLM2-135M suite runs (a 9-row verify pass ~1.8 decode
 steps, a learned drafter's proposal ~0.4); calibrated costs replace them per drafter and machine.
@@ -25,7 +33,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +66,13 @@ class DraftLengthRule:
   def max_size(self) -> int:
     return self.sizes[-1]
 
-  def step_costs(self) -> np.ndarray:
+  def step_costs(self, proposal_scale=1.0):
+    """C(s) per size, in AR steps: the measured costs, else the model with the proposal cost scaled by
+    `proposal_scale` (a float, or a traced [] array inside the loop)."""
     if self.costs:
-      return np.asarray(self.costs, np.float64)
-    s = np.asarray(self.sizes, np.float64)
-    return 1.0 + self.draft_cost * (s > 0) + self.row_cost * s
+      return jnp.asarray(self.costs, jnp.float32)
+    s = jnp.asarray(self.sizes, jnp.float32)
+    return 1.0 + self.draft_cost * proposal_scale * (s > 0) + self.row_cost * s
 
 
   def to_json(self) -> dict:
@@ -106,21 +115,26 @@ def expected_tokens(rate, sizes) -> jax.Array:
   return (1.0 - r ** (s + 1.0)) / (1.0 - r)
 
 
-def choose_size_index(rule: DraftLengthRule, rate, idle_steps) -> jax.Array:
-  """[] int32 index into rule.sizes for this step."""
-  value = expected_tokens(rate, rule.sizes) / jnp.asarray(rule.step_costs(), jnp.float32)
-  best = jnp.argmax(value).astype(jnp.int32)
+def choose_size_index(rule: DraftLengthRule, row_rates, active, idle_steps, proposal_scale=1.0) -> jax.Array:
+  """[] int32 index into rule.sizes for this step, from each sequence's rate (its class's) [B] over the active
+  sequences [B]."""
+  row_rates = jnp.asarray(row_rates, jnp.float32)
+  tokens = jnp.sum(jnp.where(jnp.asarray(active)[:, None], expected_tokens(row_rates[:, None], rule.sizes), 0.0),
+                   axis=0)
+  best = jnp.argmax(tokens / rule.step_costs(proposal_scale)).astype(jnp.int32)
   if rule.sizes[0] != 0 or len(rule.sizes) == 1:
     return best
   probe = (best == 0) & (idle_steps >= rule.probe_every)
   return jnp.where(probe, 1, best)
 
 
-def update_rate(rule: DraftLengthRule, rate, size, num_accepted, active) -> jax.Array:
-  """The rate after a step that verified `size` drafts ([] traced) and accepted num_accepted [B] on the active
-  rows [B]; unchanged by a 0-size step or one with no active row."""
-  n = jnp.sum(jnp.where(active, num_accepted, 0)).astype(jnp.float32)
-  rejections = jnp.sum(active & (num_accepted < size)).astype(jnp.float32)
+def update_rates(rule: DraftLengthRule, rates, size, num_accepted, active, classes) -> jax.Array:
+  """The per-class rates [C] after a step that verified `size` drafts ([] traced) and accepted num_accepted [B]
+  on the active sequences [B] of classes [B]; a class with no active sequence, or a 0-size step, leaves its rate
+  unchanged."""
+  in_class = active[None, :] & (classes[None, :] == jnp.arange(rates.shape[0])[:, None])  # [C, B]
+  n = jnp.sum(jnp.where(in_class, num_accepted[None, :], 0), axis=1).astype(jnp.float32)
+  rejections = jnp.sum(in_class & (num_accepted < size)[None, :], axis=1).astype(jnp.float32)
   seen = (size > 0) & (n + rejections > 0)
   estimate = n / jnp.maximum(n + rejections, 1.0)
-  return jnp.where(seen, rule.decay * rate + (1.0 - rule.decay) * estimate, rate)
+  return jnp.where(seen, rule.decay * rates + (1.0 - rule.decay) * estimate, rates)

@@ -36,7 +36,7 @@ from flax import nnx
 
 from longspec_jax.drafters.base import (LoadedDrafter, PrefillResult, ProposeContext, VerifyResult, default_num_draft,
                                        max_draft_tokens)
-from longspec_jax.inference.draft_length import DraftLengthRule, choose_size_index, default_sizes, update_rate
+from longspec_jax.inference.draft_length import DraftLengthRule, choose_size_index, default_sizes, update_rates
 from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
 from longspec_jax.sampling import SamplingParams, sample_token
 from longspec_jax.verify import verify_greedy, verify_sampling
@@ -225,7 +225,7 @@ class EngineState:
   step: jax.Array  # [] target passes after the prefill
   active_steps: jax.Array  # [B] passes in which the sequence was still generating
   accept_hist: jax.Array  # [K+1] how often 0..K drafts were accepted (active sequences, steps verifying drafts)
-  accept_rate: jax.Array  # [] running per-draft acceptance estimate (draft_length rule; else unused)
+  accept_rate: jax.Array  # [C] running per-draft acceptance estimate per draft class (draft_length rule)
   idle_steps: jax.Array  # [] consecutive 0-size steps (draft_length rule)
   size_hist: jax.Array  # [n_sizes] steps at each of the rule's sizes ([1]: fixed K)
 
@@ -253,7 +253,8 @@ def start(config: GenerationConfig, params: GenerationParams, inputs: Generation
                      done=(first == inputs.eos_id) | (inputs.max_new <= 1), target_cache=pre.cache,
                      drafter_state=drafter_state, step=jnp.int32(0), active_steps=jnp.zeros((b,), jnp.int32),
                      accept_hist=jnp.zeros((config.num_draft + 1,), jnp.int32),
-                     accept_rate=jnp.float32(config.draft_length.initial_rate if config.draft_length else 0.0),
+                     accept_rate=jnp.full((draft_classes(config.drafter),), config.draft_length.initial_rate
+                                          if config.draft_length else 0.0, jnp.float32),
                      idle_steps=jnp.int32(0),
                      size_hist=jnp.zeros((len(config.draft_length.sizes) if config.draft_length else 1,), jnp.int32))
 
@@ -277,13 +278,25 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
   rule = config.draft_length
   if rule is None:
     return step_at(config, params, inputs, state, config.num_draft)[0]
-  index = choose_size_index(rule, state.accept_rate, state.idle_steps)
+  drafter, active = config.drafter, ~state.done
+  classes = jnp.zeros(state.done.shape, jnp.int32)
+  if draft_classes(drafter) > 1:
+    classes = drafter.draft_class(ProposeContext(tokens=state.tokens, num_tokens=state.num_tokens,
+                                                 sampling=inputs.sampling))
+  scale = jnp.asarray(getattr(drafter, "proposal_cost_scale", None) or (1.0,), jnp.float32)
+  proposal_scale = jnp.max(jnp.where(active, scale[jnp.minimum(classes, scale.shape[0] - 1)], 0.0))
+  index = choose_size_index(rule, state.accept_rate[classes], active, state.idle_steps, proposal_scale)
   branches = [functools.partial(step_at, config, params, inputs, size=size) for size in rule.sizes]
   new, n_acc = jax.lax.switch(index, branches, state)
   size = jnp.asarray(rule.sizes, jnp.int32)[index]
-  return new.replace(accept_rate=update_rate(rule, state.accept_rate, size, n_acc, ~state.done),
+  return new.replace(accept_rate=update_rates(rule, state.accept_rate, size, n_acc, active, classes),
                      idle_steps=jnp.where(size == 0, state.idle_steps + 1, 0),
                      size_hist=state.size_hist.at[index].add(1))
+
+
+def draft_classes(drafter) -> int:
+  """How many classes the drafter sorts sequences into before it proposes (draft_length rates; 1 = no classes)."""
+  return getattr(drafter, "draft_classes", 1) if drafter is not None else 1
 
 
 def step_at(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
@@ -442,7 +455,8 @@ def length_stats(config: GenerationConfig, state: EngineState) -> dict:
   hist = np.asarray(state.size_hist, np.float64)
   steps = max(hist.sum(), 1.0)
   return {"draft_sizes": list(rule.sizes), "size_share": (hist / steps).round(4).tolist(),
-          "rows_per_step": float((hist * (np.asarray(rule.sizes) + 1)).sum() / steps)}
+          "rows_per_step": float((hist * (np.asarray(rule.sizes) + 1)).sum() / steps),
+          "class_rates": np.asarray(state.accept_rate, np.float64).round(4).tolist()}
 
 
 def output_stats(out: GenerationOutput) -> dict:

@@ -62,6 +62,7 @@ def test_generate_speculative_compare_ar(model_dir, tmp_path, capsys):
     (["--top-p", "0.5"], "with --temperature 0 (greedy) they would be ignored"),
     (["--num-draft", "4"], "--num-draft applies to speculative methods"),
     (["--method", "prompt-lookup", "--budget", "64"], "--budget applies to budget"),
+    (["--method", "eagle3", "--learned", "dflash"], "--learned applies to hybrid"),
     (["--method", "prompt-lookup", "--sharpdraft", "fixed"], "has none"),
     (["--compare-ar"], "--method ar is AR already"),
     (["--draft-length", "auto"], "--draft-length applies to speculative methods"),

@@ -3,6 +3,7 @@ picks counted (never timed) for drafters that are always right and always wrong,
 0-size steps for every kind of drafter state, and sampling that still follows the target."""
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
 from longspec_jax.drafters.standalone import standalone_from_model
-from longspec_jax.inference.draft_length import DraftLengthRule, choose_size_index, default_sizes, update_rate
+from longspec_jax.inference.draft_length import DraftLengthRule, choose_size_index, default_sizes, update_rates
 from longspec_jax.inference.generate import generate
 from longspec_jax.model import create_model
 
@@ -41,26 +42,77 @@ class ConstantDrafter:
     return state
 
 
+@dataclasses.dataclass(frozen=True)
+class StretchDrafter:
+  """Always right (the inner drafter is the target itself) in odd stretches of 8 committed tokens, always wrong in
+  even ones, and it says which stretch it is in before proposing: two draft classes."""
+  inner: Any
+  vocab_size: int
+  wrong_token: int = 2
+  name: str = "stretch"
+  taps: tuple = ()
+  needs_target_kv: bool = False
+  max_draft_tokens = None
+  catch_up_in_propose = True
+  draft_classes = 2
+
+  def draft_class(self, ctx):
+    return (ctx.num_tokens // 8) % 2
+
+  def init_state(self, params, prefill, max_len):
+    return self.inner.init_state(params, prefill, max_len)
+
+  def propose(self, params, state, ctx, key, num_draft, sample):
+    drafts, _, state = self.inner.propose(params, state, ctx, key, num_draft, sample)
+    drafts = jnp.where(self.draft_class(ctx)[:, None] == 1, drafts, self.wrong_token)
+    return drafts, one_hot_probs(drafts, self.vocab_size) if sample else None, state
+
+  def update(self, params, state, verify):
+    return self.inner.update(params, state, verify)
+
+
 @pytest.fixture(scope="module")
 def target():
   return create_model(_cfg(), seed=0)
 
 
+def choose(rule, rate, idle=0, scale=1.0, rows=1):
+  return int(choose_size_index(rule, jnp.full((rows,), rate), jnp.ones(rows, bool), idle, scale))
+
+
 def test_rule_by_hand():
   rule = DraftLengthRule((0, 1, 3, 8), draft_cost=0.4, row_cost=0.1)
   # rate 0: E = 1 at every size, the cheapest (0) wins; rate ~1: E = s + 1, K wins (9 / 2.2 > 4 / 1.7 > 1).
-  assert int(choose_size_index(rule, 0.0, 0)) == 0
-  assert int(choose_size_index(rule, 0.99, 0)) == 3
+  assert choose(rule, 0.0) == 0 and choose(rule, 0.99) == 3
   # rate 0.5: E = 1, 1.5, 1.875, ~2.0 over costs 1, 1.5, 1.7, 2.2 -> 1.10 at size 3 is the best
-  assert int(choose_size_index(rule, 0.5, 0)) == 2
+  assert choose(rule, 0.5) == 2 and choose(rule, 0.5, rows=3) == 2
+  # a free proposal (lookup): costs 1, 1.1, 1.3, 1.8. Rate 0.5: size 3 (1.875 / 1.3 = 1.44) > size 1 (1.36);
+  # rate 0.2: size 1 (1.2 / 1.1 = 1.09) > size 0 (1), where a 0.4-step proposal makes 0 the best
+  assert choose(rule, 0.5, scale=0.0) == 2 and choose(rule, 0.2, scale=0.0) == 1 and choose(rule, 0.2) == 0
   # a switched-off drafter is probed with the smallest positive size after probe_every idle steps
-  assert int(choose_size_index(rule, 0.0, rule.probe_every)) == 1
-  # update: 3 of 4 rows accepted 2 of 3 drafts, one accepted all 3 (no rejection): 9 / (9 + 3) = 0.75
-  new = update_rate(rule, 0.5, jnp.int32(3), jnp.asarray([2, 2, 2, 3]), jnp.ones(4, bool))
-  assert float(new) == pytest.approx(0.8 * 0.5 + 0.2 * 0.75)
-  assert float(update_rate(rule, 0.5, jnp.int32(0), jnp.zeros(4, jnp.int32), jnp.ones(4, bool))) == 0.5
-  assert float(update_rate(rule, 0.5, jnp.int32(3), jnp.asarray([0, 3, 0, 0]),
-                           jnp.asarray([False, True, False, False]))) == pytest.approx(0.8 * 0.5 + 0.2)
+  assert choose(rule, 0.0, idle=rule.probe_every) == 1
+  # one size for the batch: two sequences at rate 0.95 outweigh one at 0 (K: 2 * 7.4 + 1 = 15.8 over 2.2 = 7.2)
+  mixed = choose_size_index(rule, jnp.asarray([0.95, 0.0, 0.95, 0.95]), jnp.asarray([True, True, True, False]), 0)
+  assert int(mixed) == 3
+  # a finished sequence does not count: the one active row at rate 0 decides
+  assert int(choose_size_index(rule, jnp.asarray([0.95, 0.0]), jnp.asarray([False, True]), 0)) == 0
+
+
+def test_rates_by_class_by_hand():
+  rule = DraftLengthRule((0, 1, 3, 8))
+  rates, on = jnp.asarray([0.5, 0.5, 0.5]), jnp.ones(4, bool)
+  # one class: 3 of 4 rows accepted 2 of 3 drafts, one accepted all 3 (no rejection): 9 / (9 + 3) = 0.75
+  new = update_rates(rule, rates, jnp.int32(3), jnp.asarray([2, 2, 2, 3]), on, jnp.zeros(4, jnp.int32))
+  np.testing.assert_allclose(new, [0.8 * 0.5 + 0.2 * 0.75, 0.5, 0.5], rtol=1e-6)
+  # classes apart: class 0 rows rejected at once (0 / 2), class 2 rows accepted everything (no rejection: 1)
+  new = update_rates(rule, rates, jnp.int32(3), jnp.asarray([0, 3, 0, 3]), on, jnp.asarray([0, 2, 0, 2]))
+  np.testing.assert_allclose(new, [0.4, 0.5, 0.6], rtol=1e-6)
+  # a 0-size step and an inactive row change nothing
+  np.testing.assert_allclose(update_rates(rule, rates, jnp.int32(0), jnp.zeros(4, jnp.int32), on,
+                                          jnp.zeros(4, jnp.int32)), rates)
+  new = update_rates(rule, rates, jnp.int32(3), jnp.asarray([0, 3, 0, 0]), jnp.asarray([False, True, False, False]),
+                     jnp.asarray([1, 1, 2, 2]))
+  np.testing.assert_allclose(new, [0.5, 0.8 * 0.5 + 0.2, 0.5], rtol=1e-6)
   assert default_sizes(8) == (0, 1, 3, 8) and default_sizes(2) == (0, 1, 2) and default_sizes(1) == (0, 1)
   for bad in (dict(sizes=()), dict(sizes=(3, 1)), dict(sizes=(0,)), dict(sizes=(0, 2), decay=1.0),
               dict(sizes=(0, 2), draft_cost=-1.0), dict(sizes=(0, 2), probe_every=0)):
@@ -87,6 +139,21 @@ def test_always_right_takes_k_and_always_wrong_takes_zero(target):
   assert "size_share" not in fixed.stats
 
 
+def test_rates_per_draft_class_follow_bursts(target):
+  """A drafter right in one class and wrong in the other gets one rate per class: K where it is right, decode steps
+  where it is wrong, rather than one averaged size."""
+  prompts = _prompts(2, [3, 40])
+  ar = generate(target, prompts, max_new_tokens=96, eos_id=-1).tokens
+  inner = standalone_from_model(target, "classic")
+  drafter = LoadedDrafter(StretchDrafter(inner.spec, V), inner.params)
+  out = generate(target, prompts, max_new_tokens=96, eos_id=-1, num_draft=6, draft_length="auto", drafter=drafter)
+  assert out.tokens == ar
+  wrong_rate, right_rate = out.stats["class_rates"]
+  assert right_rate > 0.9 and wrong_rate < 0.2, out.stats
+  share = out.stats["size_share"]
+  assert share[0] >= 0.3 and share[-1] >= 0.2, out.stats
+
+
 @pytest.mark.parametrize("name", ["self", "pard", "prompt-lookup"])
 def test_zero_size_steps_keep_the_drafter_current(target, name):
   """A rule that verifies no drafts for two steps in three (costs make 0 the choice, probes make 1): output equals
@@ -96,7 +163,7 @@ def test_zero_size_steps_keep_the_drafter_current(target, name):
              "prompt-lookup": LoadedDrafter(PromptLookupDrafter(V))}[name]
   prompts = _prompts(4, [3, 40, 17, 90])
   ar = generate(target, prompts, max_new_tokens=30, eos_id=-1).tokens
-  rule = DraftLengthRule((0, 1), draft_cost=100.0, probe_every=2)
+  rule = DraftLengthRule((0, 1), costs=(1.0, 100.0), probe_every=2)
   out = generate(target, prompts, max_new_tokens=30, eos_id=-1, drafter=drafter, draft_length=rule)
   assert out.tokens == ar
   assert out.stats["size_share"][1] == pytest.approx(1 / 3, abs=0.05)

@@ -28,6 +28,9 @@ def test_lookup_proposes_on_a_match_and_the_learned_drafter_elsewhere():
   assert drafts.tolist() == [[8, 9, 5], [2, 2, 2]] and q is None
   _, q, _ = hybrid.propose(None, None, ctx, None, 3, True)
   assert q.shape == (2, 3, V) and float(q[0, 0, 8]) == 1.0 and float(q[1, 0, 2]) == 1.0
+  # draft classes (draft_length keeps a rate per class): the matched n-gram length, 0 where the learned one proposes
+  assert hybrid.draft_class(ctx).tolist() == [3, 0] and PromptLookupDrafter(V).draft_class(ctx).tolist() == [3, 0]
+  assert hybrid.proposal_cost_scale == (1.0, 0.0) and hybrid.draft_classes == 4
   only_match = ctx.replace(tokens=jnp.asarray(np.stack([tokens[0], tokens[0]])))
   assert hybrid.propose(None, None, only_match, None, 2, False)[0].tolist() == [[8, 9], [8, 9]]
   with pytest.raises(ValueError, match="min_match"):
@@ -42,13 +45,20 @@ def test_hybrid_with_the_shipped_eagle3_equals_ar():
   prompts = [repeats, fresh, repeats[:70]]
   ar = generate(target, prompts, max_new_tokens=32, eos_id=-1).tokens
   hybrid = load_drafter("hybrid", target)
-  for kw in ({"num_draft": 4}, {"num_draft": 4, "draft_length": "auto"}):
-    out = generate(target, prompts, max_new_tokens=32, eos_id=-1, drafter=hybrid, **kw)
-    assert out.tokens == ar
-  lookup = generate(target, [repeats], max_new_tokens=32, eos_id=-1, num_draft=4,
-                    drafter=load_drafter("prompt-lookup", target))
-  both = generate(target, [repeats], max_new_tokens=32, eos_id=-1, num_draft=4, drafter=hybrid)
-  assert both.stats["tau"] >= 2.0 and lookup.stats["tau"] >= 2.0  # the repeat is found either way
+  fixed = generate(target, prompts, max_new_tokens=32, eos_id=-1, drafter=hybrid, num_draft=4)
+  auto = generate(target, prompts, max_new_tokens=32, eos_id=-1, drafter=hybrid, num_draft=4, draft_length="auto")
+  assert fixed.tokens == ar and auto.tokens == ar
+  assert fixed.stats["tau"] >= 2.0  # two of the three prompts repeat: the lookup finds the repeat
+  assert len(auto.stats["class_rates"]) == 4  # learned, then the lookup by matched n-gram length
+  # learned=: a block drafter (DFlash, with its shipped checkpoint) in place of EAGLE-3
+  with_dflash = load_drafter("hybrid", target, learned="dflash")
+  assert with_dflash.spec.learned.name == "dflash"
+  assert generate(target, prompts, max_new_tokens=32, eos_id=-1, drafter=with_dflash, num_draft=4).tokens == ar
+  for bad, message in (("prompt-lookup", "must name a drafter with a checkpoint"), ("hybrid", "must name")):
+    with pytest.raises(ValueError, match=message):
+      load_drafter("hybrid", target, learned=bad)
+  with pytest.raises(ValueError, match="--learned applies to hybrid"):
+    load_drafter("eagle3", target, learned="dflash")
 
 
 def test_hybrid_sampling_follows_the_target():

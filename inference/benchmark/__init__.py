@@ -10,6 +10,7 @@
 - `report`: results.json, results.md and the (optional) plots.
 - `suite`: the sweep itself, resumable from per-prompt records on disk.
 - `peers`: `transformers` on the same weights (AR, assisted generation, prompt lookup).
+- `llamacpp`: llama.cpp on the GGUF a named target comes from (AR, prompt lookup), in a child process.
 
 Importing the package imports nothing heavy: each command imports the modules it runs.
 """

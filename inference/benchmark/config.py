@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from longspec_jax.inference.benchmark.llamacpp import PEER_METHODS
+
 PROTOCOL = (8, 4)  # the measurement protocol asks for >= 8 prompts from >= 4 documents per context
 
 
@@ -49,7 +51,7 @@ class MethodSpec:
 def method_options(name: str) -> tuple[str, ...]:
   """The load_drafter options a method takes, as its registry entry declares them."""
   from longspec_jax.drafters import drafter_entry
-  if name == "ar":
+  if name == "ar" or name in PEER_METHODS:
     return ()
   entry = drafter_entry(name)
   return tuple(entry.options) + (("sharpdraft",) if entry.sharpdraft else ())
@@ -58,13 +60,15 @@ def method_options(name: str) -> tuple[str, ...]:
 def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
   """`NAME[:key=value[,key=value...]]`, values read as YAML scalars. `num_draft=K` sets K for this method,
   `drafter=DIR` its checkpoint, `draft_length=auto` (or a rule JSON) its drafts per step; the other keys are the
-  method's own options (e.g. `dflash:sharpdraft=fixed`, `budget:budget=256`)."""
+  method's own options (e.g. `dflash:sharpdraft=fixed`, `budget:budget=256`). The llama.cpp peers
+  (`llama.cpp-ar`, `llama.cpp-lookup`, its n-gram length from num_draft) run beside ours on the same prompts."""
   from longspec_jax.drafters import method_names
   if not isinstance(text, str) or not text.strip():
     raise ValueError(f"a method must be a non-empty string like 'dflash' or 'dflash:sharpdraft=fixed', got {text!r}")
   name, _, rest = text.strip().partition(":")
-  if name not in method_names():
-    raise ValueError(f"method {text!r}: unknown method {name!r}; known methods: {', '.join(method_names())}")
+  known = method_names() + list(PEER_METHODS)
+  if name not in known:
+    raise ValueError(f"method {text!r}: unknown method {name!r}; known methods: {', '.join(known)}")
   own = method_options(name)
   given: dict[str, object] = {}
   for item in filter(None, re.split(r"[,:]", rest)):
@@ -73,8 +77,8 @@ def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
       raise ValueError(f"method {text!r}: option {item!r} is not of the form key=value")
     if key in given:
       raise ValueError(f"method {text!r}: option {key!r} given twice")
-    if name == "ar":
-      raise ValueError(f"method {text!r}: ar takes no drafter options")
+    if name == "ar" or (name in PEER_METHODS and key != "num_draft"):
+      raise ValueError(f"method {text!r}: {name} takes no drafter options")
     if key not in ("num_draft", "drafter", "draft_length", *own):
       raise ValueError(f"method {text!r}: unknown option {key!r}; options: "
                        f"{', '.join(('num_draft', 'drafter', 'draft_length', *own))}")
@@ -86,7 +90,7 @@ def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
   draft_length = str(given.pop("draft_length", "fixed"))
   if draft_length not in ("fixed", "auto") and not Path(draft_length).is_file():
     raise ValueError(f"method {text!r}: draft_length must be fixed, auto or a rule JSON file, got {draft_length!r}")
-  return MethodSpec(text=text.strip(), name=name, num_draft=None if name == "ar" else num_draft,
+  return MethodSpec(text=text.strip(), name=name, num_draft=None if name in ("ar", "llama.cpp-ar") else num_draft,
                     drafter_dir=None if drafter_dir is None else str(drafter_dir),
                     options=tuple(sorted(given.items())), draft_length=draft_length)
 

@@ -34,7 +34,7 @@ def drafter_checkpoint(method, target=None) -> dict | None:
   if method.name == "ar":
     return None
   try:
-    path = drafter_path(method.name, method.drafter_dir, target)
+    path = drafter_path(method.name, method.drafter_dir, target, dict(method.options).get("learned"))
   except FileNotFoundError:
     return None
   h = hashlib.sha256(weights_sha256(path).encode())

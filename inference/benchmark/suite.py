@@ -7,7 +7,8 @@ once and every method and temperature starts its decode loop from it (`measure`)
 the same process as the methods it is compared with.
 
 Each finished (method, context, temperature, prompt) is appended to `cells/*.jsonl` under the output directory
-at once, so a killed sweep loses at most one prompt, and a rerun skips what is there. Every run of the command
+at once, so a killed sweep loses at most one prompt, and a rerun skips what is there. The llama.cpp peers
+(`llama.cpp-ar`, `llama.cpp-lookup`) are methods too: on the same prompt tokens, in a child process each. Every run of the command
 rewrites `results.json` (everything), `results.md` (tables) and the plots from all records on disk (`report`).
 """
 
@@ -25,8 +26,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from longspec_jax.drafters.base import DEFAULT_NUM_DRAFT
 from longspec_jax.inference import engine
-from longspec_jax.inference.benchmark import measure, provenance, report
+from longspec_jax.inference.benchmark import llamacpp, measure, provenance, report
+from longspec_jax.inference.benchmark.llamacpp import PEER_METHODS
 from longspec_jax.inference.benchmark.config import MethodSpec, SuiteConfig, validate
 from longspec_jax.inference.benchmark.prompts import prompt_ids, select_cuts
 from longspec_jax.inference.draft_length import read_draft_length
@@ -62,7 +65,9 @@ class Method:
 
   @property
   def num_draft(self) -> int:
-    return self.config.num_draft if self.config is not None else 0
+    if self.config is not None:
+      return self.config.num_draft
+    return (self.spec.num_draft or DEFAULT_NUM_DRAFT) if self.spec.name == "llama.cpp-lookup" else 0
 
 
 def load_methods(methods: list[MethodSpec], model, cfg: SuiteConfig, log) -> tuple[dict[str, Method], dict]:
@@ -77,6 +82,10 @@ def load_methods(methods: list[MethodSpec], model, cfg: SuiteConfig, log) -> tup
       ready[m.text] = Method(m)
       continue
     try:
+      if m.name in PEER_METHODS:
+        llamacpp.check_peer(cfg.model, cfg.rope_scaling or None)
+        ready[m.text] = Method(m)
+        continue
       d = load_drafter(m.name, model, m.drafter_dir, **dict(m.options))
       config, _, _ = engine.prepare(model, longest, cfg.new_tokens, drafter=d, num_draft=m.num_draft,
                                     draft_length=read_draft_length(m.draft_length))
@@ -106,7 +115,11 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
   prompts = [{"index": i, "doc": doc_paths[d].name, "doc_sha256": hashlib.sha256(doc_paths[d].read_bytes()).hexdigest(),
               "end_token": end, "doc_tokens": len(docs[d])} for i, (d, end) in enumerate(cuts)]
   ready, failed = load_methods(methods, model, cfg, lambda msg: tqdm.write(msg, file=sys.stderr))
-  checkpoints = {m.text: provenance.drafter_checkpoint(m, model) for m in methods}
+  peers = [m for m in ready.values() if m.spec.name in PEER_METHODS]
+  gguf = llamacpp.check_peer(cfg.model, cfg.rope_scaling or None) if peers else None
+  peer_checkpoint = llamacpp.gguf_checkpoint(gguf) if peers else None
+  checkpoints = {m.text: peer_checkpoint if m.name in PEER_METHODS else provenance.drafter_checkpoint(m, model)
+                 for m in methods}
   # A RoPE override changes the target but not its weights.
   target_id = target["weights_sha256"] + (f"+{cfg.rope_scaling}" if cfg.rope_scaling else "")
 
@@ -157,7 +170,15 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
                  "temperature": temp, "prompt": p["index"], "run_id": run_id, "fingerprint": fp(m, ctx, temp, p),
                  "prefill_ms": 1000 * shared.seconds, "ar_new_tokens": ar["new_tokens"],
                  "ar_decode_s": ar["decode_s"], "ar_target_forwards": ar["target_forwards"]}
-          if m.drafter is None:  # AR timed again as if it were a method: its speedup shows the timing noise
+          if m.spec.name in PEER_METHODS:  # llama.cpp on the same prompt tokens, in a child process
+            r = llamacpp.run_peers(gguf, ids, cfg.new_tokens, m.num_draft, [m.spec.name], temp,
+                                   cfg.seed + p["index"], cfg.repeats, rope_scaling=cfg.rope_scaling or None)
+            r = r[m.spec.name]
+            rec.update(new_tokens=r["decode_tokens"] + 1, decode_s=r["decode_ms"] / 1000,
+                       target_forwards=r["target_forwards"], tau=r["tau"], accept_hist=[], draft_ms_per_step=0.0,
+                       verify_ms_per_step=None, drafter_state_bytes=0, diagnostics={}, tokens=r["tokens"],
+                       prefill_ms=r["prefill_ms"], agreement_with_ar=llamacpp.agreement(ar["tokens"], r["tokens"]))
+          elif m.drafter is None:  # AR timed again as if it were a method: its speedup shows the timing noise
             rec.update(measure.measure(timer, ar_config, ar_params, inputs_t, shared, cfg.repeats))
           else:
             config = dataclasses.replace(m.config, max_len=max_len, sample=temp > 0)

@@ -21,6 +21,10 @@ ENTRIES: dict[str, DrafterEntry] = read_entries(Path(__file__).parent, __name__)
 # drafter KV cache under a fixed budget (`--budget N`).
 SHARPDRAFT_METHODS = sorted(e.name for e in ENTRIES.values() if e.sharpdraft)
 BUDGET_METHODS = sorted(e.name for e in ENTRIES.values() if "budget" in e.options)
+# Methods built around another, learned drafter (`learned=NAME`: the hybrid), and the methods that can be it: any
+# drafter with a checkpoint of its own.
+COMPOSITE_METHODS = sorted(e.name for e in ENTRIES.values() if "learned" in e.options)
+LEARNED_METHODS = sorted(e.name for e in ENTRIES.values() if e.checkpoint and "learned" not in e.options)
 
 
 def method_names() -> list[str]:
@@ -34,7 +38,8 @@ def drafter_entry(name: str) -> DrafterEntry:
   return ENTRIES[name]
 
 
-def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None = None) -> None:
+def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None = None,
+                          learned: str | None = None) -> None:
   """Raises ValueError when an option does not apply to method `name` (jax-free: the CLI calls it before any
   model loads; load_drafter calls it too)."""
   from longspec_jax.sharpdraft_names import CHOICES
@@ -46,6 +51,12 @@ def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None
                      f"{', '.join(SHARPDRAFT_METHODS)})")
   if budget is not None and not (entry and "budget" in entry.options):
     raise ValueError(f"--budget applies to {', '.join(BUDGET_METHODS)}, not to method {name!r}")
+  if learned is not None:
+    if not (entry and "learned" in entry.options):
+      raise ValueError(f"--learned applies to {', '.join(COMPOSITE_METHODS)}, not to method {name!r}")
+    if learned not in LEARNED_METHODS:
+      raise ValueError(f"--learned must name a drafter with a checkpoint ({', '.join(LEARNED_METHODS)}), got "
+                       f"{learned!r}")
 
 
 def _vocab_size(target) -> int | None:
@@ -85,29 +96,34 @@ def _shipped(name: str, drafter_dir, target=None) -> Path:
   return path
 
 
-def drafter_path(name: str, drafter_dir=None, target=None) -> Path:
+def drafter_path(name: str, drafter_dir=None, target=None, learned: str | None = None) -> Path:
   """The checkpoint directory a method's drafter loads from (`drafter_dir` or the one shipped for `target`, a
-  model or its config; None = the shipped 8.4M target). FileNotFoundError for a method that loads none."""
-  checkpoint = drafter_entry(name).checkpoint
+  model or its config; None = the shipped 8.4M target): for a composite method given `learned`, that drafter's.
+  FileNotFoundError for a method that loads none."""
+  checkpoint = drafter_entry(learned or name).checkpoint
   if checkpoint is None:
     raise FileNotFoundError(f"method {name!r} loads no drafter checkpoint")
   return _shipped(checkpoint, drafter_dir, target)
 
 
 def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
-                 budget: int | None = None) -> LoadedDrafter | None:
+                 budget: int | None = None, learned: str | None = None) -> LoadedDrafter | None:
   """The drafter of method `name` (see method_names()) for `target`, for `generate(..., drafter=)`; None for "ar".
 
   drafter_dir: a trained checkpoint directory (None = the one shipped for the default target).
   sharpdraft: "off" | "fixed" | "exact" (reads sharpdraft.json beside the drafter checkpoint).
-  budget: drafter KV entries kept from the prompt (BUDGET_METHODS only; None = their default, 256)."""
+  budget: drafter KV entries kept from the prompt (BUDGET_METHODS only; None = their default, 256).
+  learned: the learned drafter of a composite method (COMPOSITE_METHODS: the hybrid; None = its default), whose
+  checkpoint `drafter_dir` then is."""
   from longspec_jax.sharpdraft import load_sharpdraft
-  check_drafter_options(name, sharpdraft, budget)
+  check_drafter_options(name, sharpdraft, budget, learned)
   entry = None if name == "ar" else drafter_entry(name)
   if entry is None:
     return None
-  path = drafter_path(name, drafter_dir, target) if entry.checkpoint else None
+  path = drafter_path(name, drafter_dir, target, learned) if entry.checkpoint else None
   options = {"budget": budget} if budget is not None else {}
+  if learned is not None:
+    options["learned"] = learned
   if entry.sharpdraft:
     options["sharpdraft"] = load_sharpdraft(path, sharpdraft, name) if sharpdraft != "off" else None
   return entry.load(path, target, **options)

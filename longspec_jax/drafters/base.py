@@ -67,6 +67,10 @@ class Drafter(Protocol):
   # Optional capabilities are declared by the method's registry entry (registry.DrafterEntry): `diagnostics(params,
   # state, ctx) -> dict[str, Array]` (entry.diagnostics; e.g. LongSpark's attention mass per view, recorded by the
   # bench suite) and `attention_logits(params, target, tokens)` (entry.sharpdraft; SharpDraft calibration).
+  # For the per-step draft length (inference/draft_length.py), a spec may also define `draft_classes: int` with
+  # `draft_class(ctx) -> [B] int32` (classes whose acceptance differs, known before proposing: prompt lookup's
+  # matched n-gram length) and `proposal_cost_scale: tuple[float, ...]` (the proposal's cost per class relative to
+  # a learned drafter's pass, the last entry repeating; default (1.0,)).
 
   def init_state(self, params, prefill: PrefillResult, max_len: int) -> Any: ...
 

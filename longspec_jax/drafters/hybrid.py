@@ -2,7 +2,7 @@
 
 Per sequence and step, the n-gram match over the prompt and everything generated (prompt lookup's longest match,
 up to `max_ngram` tokens) proposes when it matched at least `min_match` tokens; otherwise the learned drafter
-(EAGLE-3: its shipped or given checkpoint) proposes. When every sequence in the batch has a match, the learned
+(`learned=`: EAGLE-3 by default, or any drafter with a checkpoint; the shipped one or `drafter_dir`) proposes. When every sequence in the batch has a match, the learned
 drafter's proposal is skipped altogether (`lax.cond`): its state stays current through `update`, which runs after
 every step whichever part proposed. Drafters that catch up only in `propose` (catch_up_in_propose) always propose.
 
@@ -24,7 +24,8 @@ from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
 from longspec_jax.drafters.registry import DrafterEntry
 
-DRAFTERS = (DrafterEntry(name="hybrid", loader="load_hybrid", checkpoint="eagle3"),)
+# checkpoint: the default learned drafter's (EAGLE-3); `learned=NAME` swaps in any drafter with a checkpoint.
+DRAFTERS = (DrafterEntry(name="hybrid", loader="load_hybrid", checkpoint="eagle3", options=("learned",)),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,20 @@ class HybridDrafter:
   def catch_up_in_propose(self) -> bool:
     return self.learned.catch_up_in_propose
 
+  @property
+  def draft_classes(self) -> int:
+    """draft_length rates: class 0 = the learned drafter proposes, n >= min_match = the lookup matched n tokens."""
+    return self.lookup.max_ngram + 1
+
+  def draft_class(self, ctx):
+    matched = self.lookup.lookup(ctx, 1)[1]
+    return jnp.where(matched >= self.min_match, matched, 0)
+
+  @property
+  def proposal_cost_scale(self) -> tuple[float, ...]:
+    """Class 0 pays the learned pass; the lookup classes skip it unless the learned drafter must always propose."""
+    return (1.0,) if self.learned.catch_up_in_propose else (1.0, 0.0)
+
   def init_state(self, params, prefill, max_len):
     return self.learned.init_state(params, prefill, max_len)
 
@@ -86,8 +101,9 @@ class HybridDrafter:
     return self.learned.update(params, state, verify)
 
 
-def load_hybrid(drafter_dir, target) -> LoadedDrafter:
-  """Prompt lookup + the EAGLE-3 drafter at `drafter_dir` (the shipped one for the target by default)."""
-  from longspec_jax.drafters.eagle3 import load_eagle3
-  learned = load_eagle3(drafter_dir, target)
-  return LoadedDrafter(HybridDrafter(PromptLookupDrafter(target.cfg.vocab_size), learned.spec), learned.params)
+def load_hybrid(drafter_dir, target, learned: str = "eagle3") -> LoadedDrafter:
+  """Prompt lookup + the `learned` method's drafter at `drafter_dir` (the one shipped for the target by default):
+  EAGLE-3, or any block or chain drafter with a checkpoint (dflash, longspark, pard, dels, budget...)."""
+  from longspec_jax.drafters import load_drafter
+  part = load_drafter(learned, target, drafter_dir)
+  return LoadedDrafter(HybridDrafter(PromptLookupDrafter(target.cfg.vocab_size), part.spec), part.params)

@@ -23,10 +23,20 @@ class PromptLookupDrafter:
   needs_target_kv: bool = False
   max_draft_tokens = None  # any K: the continuation repeats past the sequence end
   catch_up_in_propose = False  # no state: it reads the token buffer
+  proposal_cost_scale = (0.0,)  # draft_length: a search of the token buffer, no model pass
+
 
   def __post_init__(self):
     if not 1 <= self.min_ngram <= self.max_ngram:
       raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+  @property
+  def draft_classes(self) -> int:
+    """draft_length keeps one acceptance rate per matched n-gram length (0 = no match)."""
+    return self.max_ngram + 1
+
+  def draft_class(self, ctx):
+    return self.lookup(ctx, 1)[1]
 
   def init_state(self, params, prefill, max_len):
     return ()  # stateless: the token buffer is all it reads
