@@ -373,16 +373,20 @@ def cmd_calibrate_draft_length(a) -> int:
   ids = encode_prompt(tok, text, model.cfg.bos_token_id)[:a.max_prompt_tokens]
   drafter = load_drafter(a.method, model, a.drafter)
   sizes = default_sizes(resolve_num_draft(drafter.spec, a.num_draft))
-  log(f"timing {a.steps} steps at each size {list(sizes)} and as AR, {a.repeats} repeats, prompt {len(ids)} tokens")
-  rule, ar_ms = calibrate_draft_length(model, drafter, ids, sizes, steps=a.steps, repeats=a.repeats)
+  log(f"timing {a.steps} steps at each size {list(sizes)} and as AR, {a.repeats} repeats, prompt {len(ids)} tokens; "
+      f"then acceptance per draft class over {a.new_tokens} greedy tokens")
+  rule, ar_ms, observed = calibrate_draft_length(model, drafter, ids, sizes, steps=a.steps, repeats=a.repeats,
+                                                 new_tokens=a.new_tokens)
   out = {"rule": rule.to_json(),
          "measured": {"method": a.method, "drafter": a.drafter, "model": str(a.model or model_dir.name),
                       "prompt_file": a.prompt_file, "prompt_tokens": len(ids), "steps": a.steps,
-                      "repeats": a.repeats, "ar_step_ms": round(ar_ms, 3), "machine": machine_info()}}
+                      "repeats": a.repeats, "ar_step_ms": round(ar_ms, 3), "new_tokens": a.new_tokens,
+                      "observed_rates_per_class": observed, "machine": machine_info()}}
   Path(a.out).parent.mkdir(parents=True, exist_ok=True)
   Path(a.out).write_text(json.dumps(out, indent=2))
   print(json.dumps(out["rule"]))
-  log(f"wrote {a.out}: costs per size {dict(zip(sizes, rule.costs))} (AR step {ar_ms:.2f} ms); "
+  log(f"wrote {a.out}: costs per size {dict(zip(sizes, rule.costs))} (AR step {ar_ms:.2f} ms), (first, next) "
+      f"acceptance per draft class {observed}; "
       f"use it with --draft-length {a.out}")
   return 0
 
@@ -584,7 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
   cd = add_command(
       sub, "calibrate-draft-length", "measure a drafter's step cost per draft length (for --draft-length)",
       "Time the engine's step at each draft length (0, 1, 3 and K) and AR's step on held-out text, on\n"
-      "this machine, and write the draft-length rule with those costs for --draft-length RULE.json.")
+      "this machine, measure the drafter's acceptance per draft class there (first draft, and each next one\n"
+      "after an accepted one) at K, and write the draft-length rule with those costs and priors for\n"
+      "--draft-length RULE.json.")
   cd.add_argument("--method", required=True, choices=[m for m in method_names() if m != "ar"],
                   help="drafting method")
   cd.add_argument("--prompt-file", required=True, help="held-out text (not the bench prompts) to time on")
@@ -594,6 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
   cd.add_argument("--drafter", metavar="DIR", help="drafter checkpoint directory (default: the shipped one)")
   cd.add_argument("--steps", type=positive_int, default=16, help="steps timed per size")
   cd.add_argument("--repeats", type=positive_int, default=3, help="timed runs per size (median)")
+  cd.add_argument("--new-tokens", type=positive_int, default=256,
+                  help="greedy tokens generated at K to measure the acceptance per draft class (the rule's priors)")
   cd.add_argument("--model", help=MODEL_HELP)
   cd.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
   cd.add_argument("--dtype", choices=TARGET_DTYPES, default="float32", help=DTYPE_HELP)

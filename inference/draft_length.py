@@ -1,21 +1,24 @@
 """Draft length chosen per step: among a few sizes compiled once (0 = a plain decode step), the one with the most
-expected committed tokens per unit of step cost, from running estimates of the drafter's acceptance rate.
+expected committed tokens per unit of step cost, from running estimates of the drafter's acceptance.
 
-Model. With per-draft acceptance rate a (each draft accepted with probability a, given the ones before it were),
-a step that verifies s drafts commits E(s) = 1 + a + ... + a^s tokens per sequence on average and costs C(s)
-decode steps (AR's one-row step is 1): measured per size (`costs`, from `longspec calibrate-draft-length`), or by
-default 1 + draft_cost * p * [s > 0] + row_cost * s, where p is the drafter's proposal-cost scale (1 for a learned
-drafter's pass, 0 for a lookup in the token buffer). The rule picks argmax_s sum_b E_b(s) / C(s) over the batch's
-active sequences: one size per step for the whole batch.
+Model. Two rates: a, the chance that the first draft is accepted, and b, the chance that a draft is accepted given
+the one before it was. A step that verifies s drafts then commits E(s) = 1 + a (1 + b + ... + b^(s-1)) tokens per
+sequence on average and costs C(s) decode steps (AR's one-row step is 1): measured per size (`costs`, from
+`longspec calibrate-draft-length`), or by default 1 + draft_cost * p * [s > 0] + row_cost * s, where p is the
+drafter's proposal-cost scale (1 for a learned drafter's pass, 0 for a lookup in the token buffer). The rule picks
+argmax_s sum_b E_b(s) / C(s) over the batch's active sequences: one size per step for the whole batch. With a = b
+this is the usual geometric model; the second rate is what lets it see all-or-nothing acceptance (a repeat that
+prompt lookup found is either wrong at once or right for many tokens: a = 0.5, b = 0.95 asks for K, where one
+geometric rate of ~0.6 would settle on 3 drafts).
 
 Draft classes. A drafter may sort its sequences, before it proposes, into classes whose acceptance differs
 (`draft_classes` and `draft_class(ctx)`: prompt lookup by the length of the n-gram it matched, 0 = none). The
-rule then keeps one rate per class. This is what makes bursty acceptance work: a lookup that matched 3 tokens is
-usually right while one with no match is nearly always wrong, and a single average would turn it down between
-repeats and up inside them too late. Each rate is an exponential moving average of the per-step estimate
-a_hat = accepted / (accepted + rejections) over the active sequences of that class (a sequence that accepts all
-s drafts saw no rejection), moved only by steps that verified drafts. After `probe_every` consecutive 0-size
-steps, one step uses the smallest positive size, so a rate can recover.
+rule keeps both rates per class: a lookup that matched 3 tokens is usually right while one with no match is
+nearly always wrong, and one pair of rates would average them. Each rate is an exponential moving average of its
+per-step estimate over the active sequences of the class: a from whether the first draft was accepted, b from
+the drafts after an accepted one (accepted / (accepted + rejections); a sequence that accepts all s drafts saw no
+rejection); only steps that verified drafts move them. After `probe_every` consecutive 0-size steps, one step
+uses the smallest positive size, so the rates can recover.
 
 Lossless: the size is a function of committed tokens and earlier steps only (the class, the rates, a counter),
 and every size is an exact verification (greedy or rejection sampling), so the output distribution is the
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +46,11 @@ class DraftLengthRule:
   costs: tuple[float, ...] = ()  # measured step cost per size, in AR steps; () = the model below
   draft_cost: float = 0.4  # (no costs) a proposal's cost, in AR steps
   row_cost: float = 0.1  # (no costs) each verified draft row's extra cost, in AR steps
-  initial_rate: float = 0.5  # the acceptance rate assumed before any step verified drafts
-  decay: float = 0.8  # EMA weight of the old rate per step that verified drafts
+  initial_rate: float = 0.5  # both rates (first draft, continuation) before any step verified drafts
+  # (a, b) per draft class before any step observed them (calibrate-draft-length measures them on held-out
+  # text); () = initial_rate for every class
+  prior_rates: tuple[tuple[float, float], ...] = ()
+  decay: float = 0.8  # EMA weight of the old rate per step that observed it
   probe_every: int = 16  # after this many 0-size steps in a row, one step with the smallest positive size
 
   def __post_init__(self):
@@ -57,6 +64,8 @@ class DraftLengthRule:
       problems.append(f"draft_cost and row_cost must be >= 0, got {self.draft_cost}, {self.row_cost}")
     if not 0 <= self.initial_rate <= 1 or not 0 <= self.decay < 1:
       problems.append(f"need 0 <= initial_rate <= 1 and 0 <= decay < 1, got {self.initial_rate}, {self.decay}")
+    if any(len(r) != 2 or not all(0 <= x <= 1 for x in r) for r in self.prior_rates):
+      problems.append(f"prior_rates must be (a, b) pairs in [0, 1], one per draft class, got {self.prior_rates}")
     if self.probe_every < 1:
       problems.append(f"probe_every must be >= 1, got {self.probe_every}")
     if problems:
@@ -84,7 +93,9 @@ class DraftLengthRule:
     unknown = sorted(set(obj) - known)
     if unknown:
       raise ValueError(f"unknown draft-length rule keys {unknown}; expected some of {sorted(known)}")
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in obj.items()})
+    def frozen(v):  # JSON lists -> tuples (the rule is hashable: a static argument of the engine's programs)
+      return tuple(frozen(x) for x in v) if isinstance(v, list) else v
+    return cls(**{k: frozen(v) for k, v in obj.items()})
 
 
 def read_draft_length(value: str) -> "str | DraftLengthRule":
@@ -108,19 +119,18 @@ def default_sizes(num_draft: int) -> tuple[int, ...]:
   return tuple(sorted({0, 1, 3, num_draft} & set(range(num_draft + 1))))
 
 
-def expected_tokens(rate, sizes) -> jax.Array:
-  """E(s) = sum_{i=0..s} rate^i for each size (the committed tokens of a step verifying s drafts)."""
+def expected_tokens(rates, sizes) -> jax.Array:
+  """E(s) = 1 + a (1 + b + ... + b^(s-1)) for each size, from rates [..., 2] = (a, b): [..., n_sizes]."""
   s = jnp.asarray(sizes, jnp.float32)
-  r = jnp.clip(jnp.asarray(rate, jnp.float32), 0.0, 0.999)
-  return (1.0 - r ** (s + 1.0)) / (1.0 - r)
+  rates = jnp.asarray(rates, jnp.float32)
+  a, b = rates[..., :1], jnp.clip(rates[..., 1:], 0.0, 0.999)
+  return 1.0 + a * (1.0 - b ** s) / (1.0 - b)
 
 
 def choose_size_index(rule: DraftLengthRule, row_rates, active, idle_steps, proposal_scale=1.0) -> jax.Array:
-  """[] int32 index into rule.sizes for this step, from each sequence's rate (its class's) [B] over the active
-  sequences [B]."""
-  row_rates = jnp.asarray(row_rates, jnp.float32)
-  tokens = jnp.sum(jnp.where(jnp.asarray(active)[:, None], expected_tokens(row_rates[:, None], rule.sizes), 0.0),
-                   axis=0)
+  """[] int32 index into rule.sizes for this step, from each sequence's rates (its class's) [B, 2] over the
+  active sequences [B]."""
+  tokens = jnp.sum(jnp.where(jnp.asarray(active)[:, None], expected_tokens(row_rates, rule.sizes), 0.0), axis=0)
   best = jnp.argmax(tokens / rule.step_costs(proposal_scale)).astype(jnp.int32)
   if rule.sizes[0] != 0 or len(rule.sizes) == 1:
     return best
@@ -128,13 +138,37 @@ def choose_size_index(rule: DraftLengthRule, row_rates, active, idle_steps, prop
   return jnp.where(probe, 1, best)
 
 
-def update_rates(rule: DraftLengthRule, rates, size, num_accepted, active, classes) -> jax.Array:
-  """The per-class rates [C] after a step that verified `size` drafts ([] traced) and accepted num_accepted [B]
-  on the active sequences [B] of classes [B]; a class with no active sequence, or a 0-size step, leaves its rate
-  unchanged."""
-  in_class = active[None, :] & (classes[None, :] == jnp.arange(rates.shape[0])[:, None])  # [C, B]
-  n = jnp.sum(jnp.where(in_class, num_accepted[None, :], 0), axis=1).astype(jnp.float32)
-  rejections = jnp.sum(in_class & (num_accepted < size)[None, :], axis=1).astype(jnp.float32)
-  seen = (size > 0) & (n + rejections > 0)
-  estimate = n / jnp.maximum(n + rejections, 1.0)
-  return jnp.where(seen, rule.decay * rates + (1.0 - rule.decay) * estimate, rates)
+def initial_rates(rule: DraftLengthRule, num_classes: int) -> jax.Array:
+  if rule.prior_rates:
+    if len(rule.prior_rates) != num_classes:
+      raise ValueError(f"the draft-length rule has prior rates for {len(rule.prior_rates)} draft classes; the "
+                       f"drafter has {num_classes} (calibrate the rule with the same method)")
+    return jnp.asarray(rule.prior_rates, jnp.float32)
+  return jnp.full((num_classes, 2), rule.initial_rate, jnp.float32)
+
+
+def step_counts(num_classes: int, size, num_accepted, active, classes) -> jax.Array:
+  """What one step observed, per draft class [C, 4]: first drafts accepted, first drafts verified, later drafts
+  accepted (after an accepted first one), later drafts tried (accepted + rejections; a sequence that accepted
+  all `size` drafts saw no rejection). All zero for a 0-size step."""
+  in_class = active[None, :] & (classes[None, :] == jnp.arange(num_classes)[:, None]) & (size > 0)  # [C, B]
+  n = num_accepted[None, :]
+  after = in_class & (n >= 1) & (size >= 2)
+  cont_hits = jnp.sum(jnp.where(after, n - 1, 0), axis=1)
+  return jnp.stack([jnp.sum(in_class & (n >= 1), axis=1), jnp.sum(in_class, axis=1), cont_hits,
+                    cont_hits + jnp.sum(after & (n < size), axis=1)], axis=1).astype(jnp.int32)
+
+
+def update_rates(rule: DraftLengthRule, rates, counts) -> jax.Array:
+  """The per-class rates [C, 2] after a step that observed `counts` [C, 4] (step_counts): each rate moves toward
+  that step's estimate of it, hits / tries, where the step tried it at all."""
+  counts = counts.astype(jnp.float32)
+  hits, tries = counts[:, 0::2], counts[:, 1::2]
+  estimate = hits / jnp.maximum(tries, 1.0)
+  return jnp.where(tries > 0, rule.decay * rates + (1.0 - rule.decay) * estimate, rates)
+
+
+def observed_rates(counts) -> list:
+  """(a, b) per class from accumulated step_counts [C, 4] (None where never tried): calibration's priors."""
+  c = np.asarray(counts, np.float64)
+  return [[round(h / t, 4) if t else None for h, t in ((row[0], row[1]), (row[2], row[3]))] for row in c]

@@ -36,7 +36,8 @@ from flax import nnx
 
 from longspec_jax.drafters.base import (LoadedDrafter, PrefillResult, ProposeContext, VerifyResult, default_num_draft,
                                        max_draft_tokens)
-from longspec_jax.inference.draft_length import DraftLengthRule, choose_size_index, default_sizes, update_rates
+from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, initial_rates,
+                                                 observed_rates, step_counts, update_rates)
 from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
 from longspec_jax.sampling import SamplingParams, sample_token
 from longspec_jax.verify import verify_greedy, verify_sampling
@@ -112,6 +113,7 @@ def resolve_draft_length(draft_length, spec, num_draft: int | None) -> DraftLeng
   if num_draft is not None and num_draft != draft_length.max_size:
     raise ValueError(f"num_draft ({num_draft}) differs from the draft_length rule's largest size "
                      f"({draft_length.max_size})")
+  initial_rates(draft_length, draft_classes(spec))  # raises if its priors are for another drafter's classes
   return draft_length
 
 
@@ -225,9 +227,10 @@ class EngineState:
   step: jax.Array  # [] target passes after the prefill
   active_steps: jax.Array  # [B] passes in which the sequence was still generating
   accept_hist: jax.Array  # [K+1] how often 0..K drafts were accepted (active sequences, steps verifying drafts)
-  accept_rate: jax.Array  # [C] running per-draft acceptance estimate per draft class (draft_length rule)
+  accept_rate: jax.Array  # [C, 2] per draft class: P(first draft accepted), P(next | previous accepted)
   idle_steps: jax.Array  # [] consecutive 0-size steps (draft_length rule)
   size_hist: jax.Array  # [n_sizes] steps at each of the rule's sizes ([1]: fixed K)
+  class_counts: jax.Array  # [C, 4] what the steps observed per draft class (draft_length.step_counts, summed)
 
 
 def _streams(seed):
@@ -253,10 +256,11 @@ def start(config: GenerationConfig, params: GenerationParams, inputs: Generation
                      done=(first == inputs.eos_id) | (inputs.max_new <= 1), target_cache=pre.cache,
                      drafter_state=drafter_state, step=jnp.int32(0), active_steps=jnp.zeros((b,), jnp.int32),
                      accept_hist=jnp.zeros((config.num_draft + 1,), jnp.int32),
-                     accept_rate=jnp.full((draft_classes(config.drafter),), config.draft_length.initial_rate
-                                          if config.draft_length else 0.0, jnp.float32),
+                     accept_rate=(initial_rates(config.draft_length, draft_classes(config.drafter))
+                                  if config.draft_length else jnp.zeros((1, 2), jnp.float32)),
                      idle_steps=jnp.int32(0),
-                     size_hist=jnp.zeros((len(config.draft_length.sizes) if config.draft_length else 1,), jnp.int32))
+                     size_hist=jnp.zeros((len(config.draft_length.sizes) if config.draft_length else 1,), jnp.int32),
+                     class_counts=jnp.zeros((draft_classes(config.drafter), 4), jnp.int32))
 
 
 def _truncate(committed, num_commit, num_new, max_new, eos_id):
@@ -289,9 +293,10 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
   branches = [functools.partial(step_at, config, params, inputs, size=size) for size in rule.sizes]
   new, n_acc = jax.lax.switch(index, branches, state)
   size = jnp.asarray(rule.sizes, jnp.int32)[index]
-  return new.replace(accept_rate=update_rates(rule, state.accept_rate, size, n_acc, active, classes),
+  counts = step_counts(state.accept_rate.shape[0], size, n_acc, active, classes)
+  return new.replace(accept_rate=update_rates(rule, state.accept_rate, counts),
                      idle_steps=jnp.where(size == 0, state.idle_steps + 1, 0),
-                     size_hist=state.size_hist.at[index].add(1))
+                     size_hist=state.size_hist.at[index].add(1), class_counts=state.class_counts + counts)
 
 
 def draft_classes(drafter) -> int:
@@ -456,7 +461,8 @@ def length_stats(config: GenerationConfig, state: EngineState) -> dict:
   steps = max(hist.sum(), 1.0)
   return {"draft_sizes": list(rule.sizes), "size_share": (hist / steps).round(4).tolist(),
           "rows_per_step": float((hist * (np.asarray(rule.sizes) + 1)).sum() / steps),
-          "class_rates": np.asarray(state.accept_rate, np.float64).round(4).tolist()}
+          "class_rates": np.asarray(state.accept_rate, np.float64).round(4).tolist(),
+          "class_observed": observed_rates(state.class_counts)}
 
 
 def output_stats(out: GenerationOutput) -> dict:

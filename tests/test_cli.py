@@ -82,9 +82,13 @@ def test_calibrate_draft_length_then_generate_with_it(model_dir, tmp_path, capsy
   rule = tmp_path / "rule.json"
   assert main(["calibrate-draft-length", "--model", str(model_dir), "--method", "prompt-lookup", "--prompt-file",
                str(prompt), "--max-prompt-tokens", "300", "--num-draft", "4", "--steps", "2", "--repeats", "1",
-               "--out", str(rule), "--quiet"]) == 0
+               "--new-tokens", "40", "--out", str(rule), "--quiet"]) == 0
   saved = json.loads(rule.read_text())
   assert saved["rule"]["sizes"] == [0, 1, 3, 4] and len(saved["rule"]["costs"]) == 4
+  # priors: (first, next) acceptance per draft class (prompt lookup: matched n-gram length 0-3) at K every step
+  priors, observed = saved["rule"]["prior_rates"], saved["measured"]["observed_rates_per_class"]
+  assert len(priors) == 4 and all(0 <= x <= 1 for row in priors for x in row)
+  assert any(x is not None for row in observed for x in row)
   assert min(saved["rule"]["costs"]) > 0 and saved["measured"]["prompt_tokens"] == 300
   for choice in (str(rule), "auto"):
     out = tmp_path / "g.json"

@@ -12,7 +12,8 @@ import pytest
 from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
 from longspec_jax.drafters.standalone import standalone_from_model
-from longspec_jax.inference.draft_length import DraftLengthRule, choose_size_index, default_sizes, update_rates
+from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, step_counts,
+                                                 update_rates)
 from longspec_jax.inference.generate import generate
 from longspec_jax.model import create_model
 
@@ -76,8 +77,15 @@ def target():
   return create_model(_cfg(), seed=0)
 
 
-def choose(rule, rate, idle=0, scale=1.0, rows=1):
-  return int(choose_size_index(rule, jnp.full((rows,), rate), jnp.ones(rows, bool), idle, scale))
+def choose(rule, rate, idle=0, scale=1.0, rows=1, cont=None):
+  """The size index for `rows` sequences whose first draft is accepted at `rate` and each later one at `cont`
+  (default: the same rate, the geometric model)."""
+  rates = jnp.tile(jnp.asarray([[rate, rate if cont is None else cont]]), (rows, 1))
+  return int(choose_size_index(rule, rates, jnp.ones(rows, bool), idle, scale))
+
+
+def both(rates):
+  return jnp.repeat(jnp.asarray(rates)[:, None], 2, axis=1)
 
 
 def test_rule_by_hand():
@@ -89,33 +97,43 @@ def test_rule_by_hand():
   # a free proposal (lookup): costs 1, 1.1, 1.3, 1.8. Rate 0.5: size 3 (1.875 / 1.3 = 1.44) > size 1 (1.36);
   # rate 0.2: size 1 (1.2 / 1.1 = 1.09) > size 0 (1), where a 0.4-step proposal makes 0 the best
   assert choose(rule, 0.5, scale=0.0) == 2 and choose(rule, 0.2, scale=0.0) == 1 and choose(rule, 0.2) == 0
+  # all-or-nothing acceptance (a = 0.5, b = 0.95): E(8) = 1 + 0.5 * 6.63 = 4.32 over 1.8 beats E(3) = 2.43 over
+  # 1.3; one geometric rate of 0.6 would pick 3 (2.18 / 1.3 > 2.48 / 1.8)
+  assert choose(rule, 0.5, scale=0.0, cont=0.95) == 3 and choose(rule, 0.6, scale=0.0) == 2
   # a switched-off drafter is probed with the smallest positive size after probe_every idle steps
   assert choose(rule, 0.0, idle=rule.probe_every) == 1
   # one size for the batch: two sequences at rate 0.95 outweigh one at 0 (K: 2 * 7.4 + 1 = 15.8 over 2.2 = 7.2)
-  mixed = choose_size_index(rule, jnp.asarray([0.95, 0.0, 0.95, 0.95]), jnp.asarray([True, True, True, False]), 0)
+  mixed = choose_size_index(rule, both([0.95, 0.0, 0.95, 0.95]), jnp.asarray([True, True, True, False]), 0)
   assert int(mixed) == 3
   # a finished sequence does not count: the one active row at rate 0 decides
-  assert int(choose_size_index(rule, jnp.asarray([0.95, 0.0]), jnp.asarray([False, True]), 0)) == 0
+  assert int(choose_size_index(rule, both([0.95, 0.0]), jnp.asarray([False, True]), 0)) == 0
 
 
 def test_rates_by_class_by_hand():
   rule = DraftLengthRule((0, 1, 3, 8))
-  rates, on = jnp.asarray([0.5, 0.5, 0.5]), jnp.ones(4, bool)
-  # one class: 3 of 4 rows accepted 2 of 3 drafts, one accepted all 3 (no rejection): 9 / (9 + 3) = 0.75
-  new = update_rates(rule, rates, jnp.int32(3), jnp.asarray([2, 2, 2, 3]), on, jnp.zeros(4, jnp.int32))
-  np.testing.assert_allclose(new, [0.8 * 0.5 + 0.2 * 0.75, 0.5, 0.5], rtol=1e-6)
-  # classes apart: class 0 rows rejected at once (0 / 2), class 2 rows accepted everything (no rejection: 1)
-  new = update_rates(rule, rates, jnp.int32(3), jnp.asarray([0, 3, 0, 3]), on, jnp.asarray([0, 2, 0, 2]))
-  np.testing.assert_allclose(new, [0.4, 0.5, 0.6], rtol=1e-6)
-  # a 0-size step and an inactive row change nothing
-  np.testing.assert_allclose(update_rates(rule, rates, jnp.int32(0), jnp.zeros(4, jnp.int32), on,
-                                          jnp.zeros(4, jnp.int32)), rates)
-  new = update_rates(rule, rates, jnp.int32(3), jnp.asarray([0, 3, 0, 0]), jnp.asarray([False, True, False, False]),
-                     jnp.asarray([1, 1, 2, 2]))
-  np.testing.assert_allclose(new, [0.5, 0.8 * 0.5 + 0.2, 0.5], rtol=1e-6)
+  rates, on = jnp.full((3, 2), 0.5), jnp.ones(4, bool)
+
+  def after(size, accepted, active, classes):
+    counts = step_counts(3, jnp.int32(size), jnp.asarray(accepted), jnp.asarray(active), jnp.asarray(classes))
+    return counts, update_rates(rule, rates, counts)
+  # one class: every first draft accepted (a_hat = 1); after it 1, 1, 1 and 2 more accepted with 3 rejections
+  # (the row that accepted all 3 saw none): b_hat = 5 / 8
+  counts, new = after(3, [2, 2, 2, 3], on, [0, 0, 0, 0])
+  assert counts.tolist() == [[4, 4, 5, 8], [0, 0, 0, 0], [0, 0, 0, 0]]
+  np.testing.assert_allclose(new, [[0.6, 0.4 + 0.2 * 5 / 8], [0.5, 0.5], [0.5, 0.5]], rtol=1e-6)
+  # classes apart: class 0 rows rejected at once (a_hat = 0, b not observed), class 2 rows accepted everything
+  counts, new = after(3, [0, 3, 0, 3], on, [0, 2, 0, 2])
+  assert counts.tolist() == [[0, 2, 0, 0], [0, 0, 0, 0], [2, 2, 4, 4]]
+  np.testing.assert_allclose(new, [[0.4, 0.5], [0.5, 0.5], [0.6, 0.6]], rtol=1e-6)
+  # a 0-size step observes nothing; a 1-size step cannot observe b; an inactive row does not count
+  assert not after(0, [0, 0, 0, 0], on, [0, 0, 0, 0])[0].any()
+  np.testing.assert_allclose(after(1, [1, 1, 1, 1], on, [0, 0, 0, 0])[1][0], [0.6, 0.5], rtol=1e-6)
+  counts, new = after(3, [0, 3, 0, 0], [False, True, False, False], [1, 1, 2, 2])
+  np.testing.assert_allclose(new, [[0.5, 0.5], [0.6, 0.6], [0.5, 0.5]], rtol=1e-6)
   assert default_sizes(8) == (0, 1, 3, 8) and default_sizes(2) == (0, 1, 2) and default_sizes(1) == (0, 1)
   for bad in (dict(sizes=()), dict(sizes=(3, 1)), dict(sizes=(0,)), dict(sizes=(0, 2), decay=1.0),
-              dict(sizes=(0, 2), draft_cost=-1.0), dict(sizes=(0, 2), probe_every=0)):
+              dict(sizes=(0, 2), draft_cost=-1.0), dict(sizes=(0, 2), probe_every=0),
+              dict(sizes=(0, 2), prior_rates=((0.5, 1.5),))):
     with pytest.raises(ValueError):
       DraftLengthRule(**bad)
 
@@ -141,15 +159,15 @@ def test_always_right_takes_k_and_always_wrong_takes_zero(target):
 
 def test_rates_per_draft_class_follow_bursts(target):
   """A drafter right in one class and wrong in the other gets one rate per class: K where it is right, decode steps
-  where it is wrong, rather than one averaged size."""
-  prompts = _prompts(2, [3, 40])
+  where it is wrong, rather than one averaged size. One sequence: a batch takes one size for all its rows."""
+  prompts = _prompts(1, [3])
   ar = generate(target, prompts, max_new_tokens=96, eos_id=-1).tokens
   inner = standalone_from_model(target, "classic")
   drafter = LoadedDrafter(StretchDrafter(inner.spec, V), inner.params)
   out = generate(target, prompts, max_new_tokens=96, eos_id=-1, num_draft=6, draft_length="auto", drafter=drafter)
   assert out.tokens == ar
-  wrong_rate, right_rate = out.stats["class_rates"]
-  assert right_rate > 0.9 and wrong_rate < 0.2, out.stats
+  wrong, right = out.stats["class_rates"]  # (first draft, continuation) per class
+  assert min(right) > 0.9 and wrong[0] < 0.5, out.stats  # wrong: from 0.5, moved only by the probes
   share = out.stats["size_share"]
   assert share[0] >= 0.3 and share[-1] >= 0.2, out.stats
 
@@ -192,3 +210,5 @@ def test_bad_draft_length(target):
     generate(target, [[3, 4, 5]], drafter=lookup, draft_length="sometimes")
   with pytest.raises(ValueError, match="differs from the draft_length rule"):
     generate(target, [[3, 4, 5]], drafter=lookup, num_draft=4, draft_length=DraftLengthRule((0, 2)))
+  with pytest.raises(ValueError, match="prior rates for 2 draft classes; the drafter has 4"):
+    generate(target, [[3, 4, 5]], drafter=lookup, draft_length=DraftLengthRule((0, 2), prior_rates=((0.5, 0.5),) * 2))

@@ -68,3 +68,36 @@ def test_hybrid_sampling_follows_the_target():
   out = generate(model, [PREFIX] * N_SAMPLES, max_new_tokens=N_POS, temperature=1.0, seed=11, eos_id=-1,
                  drafter=hybrid, num_draft=2)
   assert min(_chi2_pvalues(out.tokens, _exact_marginals(model, SamplingParams.make(1.0)))) > 0.01 / N_POS
+
+
+def _replay_script():
+  import importlib.util
+  from pathlib import Path
+  path = Path(__file__).resolve().parents[1] / "scripts" / "compare_suffix_drafters.py"
+  spec = importlib.util.spec_from_file_location("compare_suffix_drafters", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_replay_of_token_matching_drafters_by_hand():
+  """scripts/compare_suffix_drafters.py replays greedy speculative decoding from the target's greedy tokens:
+  checked by hand, and against the engine (prompt lookup on a tiny target: the same tau)."""
+  mod = _replay_script()
+  # The continuation repeats the prompt: the oracle-like suffix match proposes it all.
+  prompt, cont = [1, 5, 6, 7, 8, 9, 5, 6], [7, 8, 9, 5, 6, 7, 8]
+  tau, steps = mod.replay(prompt, cont, mod.suffix_match(8), k=3)
+  # steps: ctx ends "5 6 7": proposes 8 9 5 (all right) + 1 -> 4 tokens (pos 1 -> 5); then "...5 6": 7 8 (cut at
+  # the end of the continuation) -> commits the last 2 tokens.
+  assert steps == 2 and tau == pytest.approx(6 / 2)
+  assert mod.replay(prompt, cont, lambda ctx, k: [], k=3) == (1.0, 6)  # nothing proposed: one token per step
+  assert mod.suffix_match(8)([1, 2, 3], 2) == []  # no earlier match
+  assert mod.suffix_match(2)([4, 1, 2, 9, 1, 2, 7, 1, 2], 3) == [7, 1, 2]  # latest occurrence of the longest match
+  # Against the engine: our prompt lookup replayed gives the tau generate() measures.
+  target = peaky_model()
+  prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
+  ar = generate(target, prompts, max_new_tokens=24, eos_id=-1).tokens[0]
+  spec = generate(target, prompts, max_new_tokens=24, eos_id=-1, num_draft=3,
+                  drafter=LoadedDrafter(PromptLookupDrafter(V)))
+  replayed, _ = mod.replay(prompts[0], ar, mod.ours_lookup(V, len(prompts[0]) + 24 + 4), k=3)
+  assert replayed == pytest.approx(spec.stats["tau"])

@@ -175,10 +175,13 @@ steps_at_program = jax.jit(_steps_at, static_argnums=(0, 4, 5), compiler_options
 
 
 def calibrate_draft_length(model, drafter, prompt_ids: list[int], sizes: tuple[int, ...], steps: int = 16,
-                           repeats: int = 3, timer: Timer | None = None):
-  """A DraftLengthRule over `sizes` (largest = K) whose costs are measured here: `steps` engine steps at each
-  fixed size from the prompt's prefill, timed (median of `repeats`), over the same number of AR steps."""
-  from longspec_jax.inference.draft_length import DraftLengthRule
+                           repeats: int = 3, timer: Timer | None = None, new_tokens: int = 256):
+  """(rule, AR step ms, observed rates): a DraftLengthRule over `sizes` (largest = K) whose costs and prior
+  rates are measured here. Costs: `steps` engine steps at each fixed size from the prompt's prefill, timed
+  (median of `repeats`), over the same number of AR steps. Priors: the (first draft, continuation) acceptance
+  per draft class over a greedy generation of `new_tokens` verifying K drafts every step (a class never seen
+  keeps the rule's initial_rate)."""
+  from longspec_jax.inference.draft_length import DraftLengthRule, observed_rates
   timer = timer or Timer()
   k = max(sizes)
   call = dict(max_new_tokens=steps * (k + 1) + 1, eos_id=-1)
@@ -192,5 +195,11 @@ def calibrate_draft_length(model, drafter, prompt_ids: list[int], sizes: tuple[i
                             lambda: steps_at_program(c, p, i, state, size, steps), repeats)
       per_step[name, size] = secs / steps
   ar_step = per_step["ar", 0]
-  return DraftLengthRule(tuple(sizes), costs=tuple(round(per_step["method", s] / ar_step, 4) for s in sizes)), \
-      1000 * ar_step
+  costs = tuple(round(per_step["method", s] / ar_step, 4) for s in sizes)
+  always_k = DraftLengthRule((k,))  # counts per class while verifying K drafts every step
+  c, p, i = engine.prepare(model, [prompt_ids], new_tokens, drafter=drafter, draft_length=always_k, eos_id=-1)
+  state = engine.decode_program(c, p, i, engine.prefill_program(c, p, i))
+  observed = observed_rates(state.class_counts)
+  default = DraftLengthRule(tuple(sizes)).initial_rate
+  priors = tuple(tuple(default if x is None else x for x in row) for row in observed)
+  return DraftLengthRule(tuple(sizes), costs=costs, prior_rates=priors), 1000 * ar_step, observed
