@@ -10,7 +10,8 @@ Drafters compared (K drafts per step):
 - `prompt-lookup`: ours (longspec_jax.drafters.prompt_lookup, the jitted lookup itself);
 - `suffix-N`: the longest suffix match of up to N tokens anywhere earlier (latest occurrence), its continuation;
 - `arctic`: Snowflake arctic-inference's SuffixDecodingCache (the suffix tree vLLM uses), if it imports, with its
-  defaults (a draft as long as the match, tokens of estimated probability >= 0.1), at most K tokens.
+  defaults (a draft at most as long as the match, tokens of estimated probability >= 0.1), at most K tokens;
+  `arctic-factor4`: the same with drafts up to 4x the match length and no probability floor.
 
   python scripts/compare_suffix_drafters.py --suite results/bench_suite/smollm2_draft_classes \\
       --out results/bench_suite/smollm2_draft_classes/suffix_drafters.json
@@ -83,8 +84,9 @@ def suffix_match(max_match: int):
   return propose
 
 
-def arctic(prompt_len_hint: int = 0):
-  """arctic-inference's suffix decoding, one request per replay (its prompt tree plus its own response)."""
+def arctic(**speculate_options):
+  """arctic-inference's suffix decoding, one request per replay (its prompt tree plus its own response);
+  `speculate_options` go to SuffixDecodingCache.speculate (its defaults otherwise)."""
   from arctic_inference.suffix_decoding import SuffixDecodingCache
 
   class Arctic:
@@ -99,7 +101,7 @@ def arctic(prompt_len_hint: int = 0):
       if len(ctx) > self.seen:
         self.cache.add_active_response(0, np.asarray(ctx[self.seen:], np.int32))
         self.seen = len(ctx)
-      draft = self.cache.speculate(0, np.asarray(ctx[-64:], np.int32), max_spec_tokens=k)
+      draft = self.cache.speculate(0, np.asarray(ctx[-64:], np.int32), max_spec_tokens=k, **speculate_options)
       return list(draft.token_ids)
   return Arctic
 
@@ -131,9 +133,9 @@ def main():
   ar = {(r["context"], r["prompt"]): r["tokens"] for r in res["records"] if r["method"] == "ar"}
   recorded = {(r["context"], r["prompt"]): r["tau"] for r in res["records"] if r["method"] == a.check_method}
   try:
-    make_arctic = arctic()
+    make_arctic = {"arctic": arctic(), "arctic-factor4": arctic(max_spec_factor=4.0, min_token_prob=0.0)}
   except ImportError:
-    make_arctic = None
+    make_arctic = {}
     print("arctic-inference is not installed: its column is skipped")
   k = a.num_draft
   rows = []
@@ -142,8 +144,7 @@ def main():
     ids = prompt_ids(docs[pr["doc"]], pr["end_token"], ctx_len, mcfg.bos_token_id)
     drafters = {"prompt-lookup": ours_lookup(mcfg.vocab_size, len(ids) + len(cont) + k + 1)}
     drafters.update({f"suffix-{m}": suffix_match(m) for m in a.suffix})
-    if make_arctic:
-      drafters["arctic"] = make_arctic()
+    drafters.update({name: make() for name, make in make_arctic.items()})
     row = {"context": ctx_len, "prompt": i, "recorded": recorded.get((ctx_len, i))}
     for name, fn in drafters.items():
       row[name] = replay(ids, cont, fn, k)[0]
