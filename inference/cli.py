@@ -331,19 +331,18 @@ def cmd_bench(a) -> int:
                   a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, log=log, budget=a.budget,
                   learned=a.learned,
                   draft_length=draft_length_arg(a))
+  peer_prompt = bench_prompts(ids, a.context, 1, model.cfg.bos_token_id)[0]  # the peers run the first sequence
   if "transformers" in a.peer:
     log("transformers peers on the same weights: AR, assisted generation, prompt lookup")
     drafter_dir = Path(a.drafter) if a.drafter else SHIPPED_DRAFTERS_DIR / "pard"
-    prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
-    peers = transformers_peers(model, model_dir, drafter_dir if drafter_dir.exists() else None, prompts,
+    peers = transformers_peers(model, model_dir, drafter_dir if drafter_dir.exists() else None, [peer_prompt],
                                a.new_tokens, res["num_draft_tokens"] or 8, a.temperature, a.seed, a.repeats)
     res.setdefault("peer_tokens_per_s", {}).update({name: p["tokens_per_s"] for name, p in peers.items()})
     res.setdefault("peer_timing", {}).update(peers)  # prefill and decode ms per peer, timed inside each call
   if "llama.cpp" in a.peer:
     from longspec_jax.inference.benchmark.llamacpp import agreement, run_peers
     log("llama.cpp peers on the GGUF the target comes from: AR, prompt lookup (each in a child process)")
-    prompts = bench_prompts(tok.encode(text).ids, a.context, 1, model.cfg.bos_token_id)
-    peers = run_peers(gguf, prompts[0], a.new_tokens, res["num_draft_tokens"] or 8, temperature=a.temperature,
+    peers = run_peers(gguf, peer_prompt, a.new_tokens, res["num_draft_tokens"] or 8, temperature=a.temperature,
                       seed=a.seed, repeats=a.repeats, rope_scaling=a.rope_scaling)
     res.setdefault("peer_tokens_per_s", {}).update({name: p["tokens_per_s"] for name, p in peers.items()})
     res.setdefault("peer_timing", {}).update({name: {k: v for k, v in p.items() if k != "tokens"}
