@@ -43,11 +43,13 @@ def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
 def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
               seed: int = 0, batch: int = 1, num_draft: int | None = None, drafter_dir=None, repeats: int = 3,
               top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None,
-              budget: int | None = None, draft_length=None, learned: str | None = None) -> dict:
+              budget: int | None = None, draft_length=None, learned: str | None = None,
+              draft_vocab: int | None = None) -> dict:
   """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
   in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)
-  drafter = load_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget, learned=learned)
+  drafter = load_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget, learned=learned,
+                         draft_vocab=draft_vocab)
   prompts = bench_prompts(tok.encode(text).ids, context, batch, model.cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
   # The speculative call as generate() will run it: checks, K (the drafter's default when None), buckets.
@@ -68,6 +70,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
     out["budget"] = budget
   if learned is not None:
     out["learned"] = learned
+  if draft_vocab is not None:
+    out["draft_vocab"] = draft_vocab
   if drafter is None:
     out.update(tau=1.0, accept_per_position=[], target_forwards=ar.target_forwards, tokens_per_s=ar_tps,
                speedup=1.0, draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,

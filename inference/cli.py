@@ -94,6 +94,8 @@ DRAFT_LENGTH_HELP = ("drafts verified per step: fixed (K every step), auto (chos
                      "running acceptance rates, one per draft class such as prompt lookup's matched n-gram length; "
                      "0 is a plain decode step), or a rule JSON from calibrate-draft-length (costs measured on this "
                      "machine)")
+DRAFT_VOCAB_HELP = ("DFlash / LongSpark: the drafter's LM head cut to the N most frequent target tokens (the first N "
+                    "of the checkpoint's draft_vocab.json): a cheaper draft pass; default the full vocabulary")
 LEARNED_HELP = ("the hybrid's learned drafter, proposing where prompt lookup finds no repeat (default eagle3); "
                 "--drafter is then its checkpoint")
 
@@ -112,7 +114,7 @@ def check_method_flags(a) -> None:
   """Flags that the chosen method (or sampling mode) would ignore are refused, before any model loads."""
   from longspec_jax.drafters import check_drafter_options
   method = a.method
-  check_drafter_options(method, a.sharpdraft, a.budget, a.learned)
+  check_drafter_options(method, a.sharpdraft, a.budget, a.learned, a.draft_vocab)
   check_draft_length_flag(a)
   if method == "ar":
     for flag, value in (("--num-draft", a.num_draft), ("--drafter", a.drafter)):
@@ -171,7 +173,8 @@ def cmd_generate(a) -> int:
   ids = encode_prompt(tok, text, model.cfg.bos_token_id)
   if a.max_prompt_tokens is not None:
     ids = ids[:a.max_prompt_tokens]
-  drafter = load_drafter(a.method, model, a.drafter, sharpdraft=a.sharpdraft, budget=a.budget, learned=a.learned)
+  drafter = load_drafter(a.method, model, a.drafter, sharpdraft=a.sharpdraft, budget=a.budget, learned=a.learned,
+                         draft_vocab=a.draft_vocab)
   call = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               seed=a.seed)
   config, params, inputs = engine.prepare(model, [ids], drafter=drafter, num_draft=a.num_draft,
@@ -300,7 +303,7 @@ def cmd_bench(a) -> int:
   # Every check that needs only the flags and files runs before the model loads.
   path = Path(a.text_file)
   text = read_text_file(a.text_file, "text file")
-  check_drafter_options(a.method, a.sharpdraft, a.budget, a.learned)
+  check_drafter_options(a.method, a.sharpdraft, a.budget, a.learned, a.draft_vocab)
   check_draft_length_flag(a)
   a.peer = a.peer or []
   if "transformers" in a.peer and importlib.util.find_spec("torch") is None:
@@ -329,8 +332,7 @@ def cmd_bench(a) -> int:
       f"method {a.method} vs AR, {a.repeats} timed repeats each after a compiling call")
   res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
                   a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, log=log, budget=a.budget,
-                  learned=a.learned,
-                  draft_length=draft_length_arg(a))
+                  learned=a.learned, draft_vocab=a.draft_vocab, draft_length=draft_length_arg(a))
   peer_prompt = bench_prompts(ids, a.context, 1, model.cfg.bos_token_id)[0]  # the peers run the first sequence
   if "transformers" in a.peer:
     log("transformers peers on the same weights: AR, assisted generation, prompt lookup")
@@ -363,23 +365,29 @@ def cmd_calibrate_draft_length(a) -> int:
   log("importing jax")
   from longspec_jax.drafters import load_drafter
   from longspec_jax.inference.benchmark.measure import calibrate_draft_length
+  from longspec_jax.inference.benchmark.prompts import prompt_ids, spread_ends
   from longspec_jax.inference.benchmark.provenance import machine_info
   from longspec_jax.inference.draft_length import default_sizes
   from longspec_jax.inference.engine import resolve_num_draft
   from longspec_jax.tokenizer import encode_prompt
 
   model, tok, model_dir = _load_target(a)
-  ids = encode_prompt(tok, text, model.cfg.bos_token_id)[:a.max_prompt_tokens]
+  bos = model.cfg.bos_token_id
+  text_ids = encode_prompt(tok, text, None)
+  ids = encode_prompt(tok, text, bos)[:a.max_prompt_tokens]
+  ends = spread_ends(len(text_ids), len(ids) - (bos is not None), a.prior_prompts)
+  prior_prompts = [prompt_ids(text_ids, e, len(ids), bos) for e in ends]
   drafter = load_drafter(a.method, model, a.drafter)
   sizes = default_sizes(resolve_num_draft(drafter.spec, a.num_draft))
   log(f"timing {a.steps} steps at each size {list(sizes)} and as AR, {a.repeats} repeats, prompt {len(ids)} tokens; "
-      f"then acceptance per draft class over {a.new_tokens} greedy tokens")
+      f"then acceptance per draft class over {a.new_tokens} greedy tokens on each of {len(prior_prompts)} prompts")
   rule, ar_ms, observed = calibrate_draft_length(model, drafter, ids, sizes, steps=a.steps, repeats=a.repeats,
-                                                 new_tokens=a.new_tokens)
+                                                 new_tokens=a.new_tokens, prior_prompts=prior_prompts)
   out = {"rule": rule.to_json(),
          "measured": {"method": a.method, "drafter": a.drafter, "model": str(a.model or model_dir.name),
                       "prompt_file": a.prompt_file, "prompt_tokens": len(ids), "steps": a.steps,
                       "repeats": a.repeats, "ar_step_ms": round(ar_ms, 3), "new_tokens": a.new_tokens,
+                      "prior_prompt_ends": ends,
                       "observed_rates_per_class": observed, "machine": machine_info()}}
   Path(a.out).parent.mkdir(parents=True, exist_ok=True)
   Path(a.out).write_text(json.dumps(out, indent=2))
@@ -478,6 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--budget", type=positive_int,
                  help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
   g.add_argument("--learned", choices=LEARNED_METHODS, help=LEARNED_HELP)
+  g.add_argument("--draft-vocab", type=positive_int, metavar="N", help=DRAFT_VOCAB_HELP)
   g.add_argument("--draft-length", metavar="fixed|auto|RULE.json", default="fixed", help=DRAFT_LENGTH_HELP)
   g.add_argument("--compare-ar", action="store_true",
                  help="also run plain AR on the same prompt: its tokens/s, the speedup, and whether the tokens are "
@@ -580,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--budget", type=positive_int,
                   help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
   bn.add_argument("--learned", choices=LEARNED_METHODS, help=LEARNED_HELP)
+  bn.add_argument("--draft-vocab", type=positive_int, metavar="N", help=DRAFT_VOCAB_HELP)
   bn.add_argument("--json", metavar="OUT", help="also write the result here")
   bn.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
   bn.set_defaults(fn=cmd_bench)
@@ -600,7 +610,11 @@ def build_parser() -> argparse.ArgumentParser:
   cd.add_argument("--steps", type=positive_int, default=16, help="steps timed per size")
   cd.add_argument("--repeats", type=positive_int, default=3, help="timed runs per size (median)")
   cd.add_argument("--new-tokens", type=positive_int, default=256,
-                  help="greedy tokens generated at K to measure the acceptance per draft class (the rule's priors)")
+                  help="greedy tokens generated at K per prompt to measure the acceptance per draft class (the rule's "
+                       "priors)")
+  cd.add_argument("--prior-prompts", type=positive_int, default=8,
+                  help="prompts the priors are measured on (one batch): windows of --max-prompt-tokens ending at "
+                       "evenly spaced points of the file, the first at its start")
   cd.add_argument("--model", help=MODEL_HELP)
   cd.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
   cd.add_argument("--dtype", choices=TARGET_DTYPES, default="float32", help=DTYPE_HELP)

@@ -290,8 +290,12 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
   scale = jnp.asarray(getattr(drafter, "proposal_cost_scale", None) or (1.0,), jnp.float32)
   proposal_scale = jnp.max(jnp.where(active, scale[jnp.minimum(classes, scale.shape[0] - 1)], 0.0))
   index = choose_size_index(rule, state.accept_rate[classes], active, state.idle_steps, proposal_scale)
-  branches = [functools.partial(step_at, config, params, inputs, size=size) for size in rule.sizes]
-  new, n_acc = jax.lax.switch(index, branches, state)
+  # The branches leave the target cache alone and return its new rows, padded to K+1; they are written here, after
+  # the switch, so the cache stays in place (written inside the branches, it was copied whole on every step).
+  branches = [functools.partial(_step_rows, config, params, inputs, size=size, pad_rows=rule.max_size + 1)
+              for size in rule.sizes]
+  new, n_acc, target_rows = jax.lax.switch(index, branches, state)
+  new = new.replace(target_cache=_write_rows(state.target_cache, target_rows, new.num_tokens))
   size = jnp.asarray(rule.sizes, jnp.int32)[index]
   counts = step_counts(state.accept_rate.shape[0], size, n_acc, active, classes)
   return new.replace(accept_rate=update_rates(rule, state.accept_rate, counts),
@@ -305,10 +309,27 @@ def draft_classes(drafter) -> int:
 
 
 def step_at(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
-          size: int) -> tuple[EngineState, jax.Array]:
+            size: int) -> tuple[EngineState, jax.Array]:
   """`step` verifying `size` drafts (static); 0 is a decode step, in which the drafter proposes nothing (unless
   it catches up on committed tokens only in propose) and still reads the verified row. Returns (state, accepted
   drafts [B])."""
+  new, n_acc, target_rows = _step_rows(config, params, inputs, state, size, size + 1)
+  return new.replace(target_cache=_write_rows(state.target_cache, target_rows, new.num_tokens)), n_acc
+
+
+def _write_rows(cache: KVCache, target_rows, num_tokens) -> KVCache:
+  """The target cache with a step's verified rows written ((k, v) [L, B, R, Hkv, D], positions [B, R]; padding
+  rows at positions >= max_len are dropped) and its lengths at the new committed count."""
+  k, v, positions = target_rows
+  for layer in range(cache.num_layers):
+    cache = cache.write(layer, k[layer], v[layer], positions)
+  return cache.replace(lengths=num_tokens - 1)
+
+
+def _step_rows(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
+               size: int, pad_rows: int) -> tuple[EngineState, jax.Array, tuple]:
+  """`step_at` but for the target cache: returns (state with target_cache=None, accepted drafts [B], the cache's
+  new rows padded to `pad_rows` (k, v, positions) for `_write_rows`)."""
   model = nnx.merge(config.graphdef, params.target)
   drafter, k, sp, s = config.drafter, config.num_draft, inputs.sampling, state
   b, max_len = s.tokens.shape
@@ -323,11 +344,11 @@ def step_at(config: GenerationConfig, params: GenerationParams, inputs: Generati
                                         max(size, 1), config.sample)
   if size == 0:
     out = model(pending, cache=s.target_cache, mode="extend", taps=drafter.taps if drafter else (),
-                return_kv=drafter is not None and drafter.needs_target_kv)
+                return_kv=True, write_cache=False)
     n_acc, committed = jnp.zeros((b,), jnp.int32), sample_token(accept_key, out.logits[:, 0], sp)[:, None]
   else:
     out = model(jnp.concatenate([pending, drafts], axis=1), cache=s.target_cache, mode="extend",
-                taps=drafter.taps, return_kv=drafter.needs_target_kv)
+                taps=drafter.taps, return_kv=True, write_cache=False)
     if config.sample:
       n_acc, committed = verify_sampling(accept_key, out.logits, drafts, q, sp)
     else:
@@ -340,18 +361,22 @@ def step_at(config: GenerationConfig, params: GenerationParams, inputs: Generati
   tokens = s.tokens.at[jnp.arange(b)[:, None], write_pos].set(committed, mode="drop")
   num_tokens = s.num_tokens + n_commit
   num_new = s.num_new + n_commit
-  target_cache = out.cache.replace(lengths=num_tokens - 1)
   if drafter is not None:
     dstate = drafter.update(params.drafter, dstate, VerifyResult(
         start=start_pos, num_accepted=n_acc, committed=committed, num_committed=n_commit, taps=out.taps,
-        new_kv=out.new_kv, target_cache=target_cache, tokens=tokens, num_tokens=num_tokens))
+        new_kv=out.new_kv if drafter.needs_target_kv else None, tokens=tokens,
+        num_tokens=num_tokens))
   hist = s.accept_hist  # counts the steps that verified drafts (AR: every step in [1])
   if size > 0 or drafter is None:
     hist = hist + jnp.sum(jax.nn.one_hot(n_acc, k + 1, dtype=jnp.int32) * active[:, None], axis=0)
+  # All size+1 verified rows go into the cache (rejected ones are overwritten later); padding rows are dropped.
+  k_new, v_new = (jnp.pad(x, ((0, 0), (0, 0), (0, pad_rows - size - 1), (0, 0), (0, 0))) for x in out.new_kv)
+  positions = jnp.where(jnp.arange(pad_rows)[None, :] <= size, start_pos[:, None] + jnp.arange(pad_rows)[None, :],
+                        max_len)
   return s.replace(tokens=tokens, num_tokens=num_tokens, num_new=num_new,
-                   done=s.done | (active & (hit_eos | (num_new >= inputs.max_new))), target_cache=target_cache,
+                   done=s.done | (active & (hit_eos | (num_new >= inputs.max_new))), target_cache=None,
                    drafter_state=dstate, step=s.step + 1, active_steps=s.active_steps + active,
-                   accept_hist=hist), n_acc
+                   accept_hist=hist), n_acc, (k_new, v_new, positions)
 
 
 NO_STEP_LIMIT = np.iinfo(np.int32).max

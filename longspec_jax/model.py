@@ -161,8 +161,12 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, *, cache: KVCache | None = None, positions=None, mode: str = "train",
                taps: Sequence[int] = (), return_kv: bool = False, logits_at=None, return_logits: bool = True,
-               sharpdraft=None):
+               sharpdraft=None, write_cache: bool = True):
     """tokens [B, T]. `logits_at` [B, P] (indices into T) limits the LM head to those rows.
+
+    `write_cache=False` (extend): attend over the cache and the new rows but leave the cache as it was; the caller
+    writes `new_kv` itself (the engine does, after the `lax.switch` over draft sizes: a branch that updated the
+    cache made XLA copy every layer's whole cache on every step).
 
     `sharpdraft` (a `longspec_jax.sharpdraft.SharpDraft`, for a standalone drafter) scales every query after q-norm
     and RoPE by its `scale_queries`; None leaves the attention untouched."""
@@ -170,6 +174,8 @@ class Transformer(nnx.Module):
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "train" and cache is None:
       raise ValueError(f"mode {mode!r} needs a KV cache")
+    if not write_cache and not (mode == "extend" and return_kv):
+      raise ValueError("write_cache=False is for mode='extend' with return_kv=True (the caller writes the rows)")
     cfg = self.cfg
     b, t = tokens.shape
     if positions is None:
@@ -191,7 +197,8 @@ class Transformer(nnx.Module):
         fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, li, "train", self.attn_block, sharpdraft)[0])
         x = fn(layer, x, positions)
       else:
-        x, cache, (k, v) = layer(x, positions, rope, cache, li, mode, self.attn_block, sharpdraft)
+        x, written, (k, v) = layer(x, positions, rope, cache, li, mode, self.attn_block, sharpdraft)
+        cache = written if write_cache else cache
         if return_kv:
           new_k.append(k)
           new_v.append(v)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from longspec_jax.inference.benchmark.config import SuiteConfig, load_config, parse_method
-from longspec_jax.inference.benchmark.prompts import prompt_ids, select_cuts
+from longspec_jax.inference.benchmark.prompts import prompt_ids, select_cuts, spread_ends
 from longspec_jax.inference.benchmark.provenance import drafter_checkpoint, load_target
 from longspec_jax.inference.benchmark.statistics import bootstrap_ci, ratio_of_rates
 from longspec_jax.inference.benchmark.suite import run_suite
@@ -153,6 +153,12 @@ def test_cuts_are_seeded_prefix_stable_and_spread():
   assert len(set(cuts)) == 8 and all(200 <= e <= [500, 800, 300, 900][d] for d, e in cuts)
   with pytest.raises(ValueError, match="min_docs = 4"):
     select_cuts([500, 800, 50, 60], 8, 4, 200, seed=0)
+
+
+def test_spread_ends_cover_the_text_evenly():
+  assert spread_ends(100, 30, 4) == [30, 53, 77, 100]  # first window at the start, last at the end
+  assert spread_ends(31, 30, 8) == [30, 31]  # short text: overlapping windows, no duplicates
+  assert spread_ends(20, 30, 8) == [20] and spread_ends(100, 30, 1) == [30]
 
 
 def test_method_options_and_config_errors(env, tmp_path):

@@ -82,8 +82,10 @@ def test_calibrate_draft_length_then_generate_with_it(model_dir, tmp_path, capsy
   rule = tmp_path / "rule.json"
   assert main(["calibrate-draft-length", "--model", str(model_dir), "--method", "prompt-lookup", "--prompt-file",
                str(prompt), "--max-prompt-tokens", "300", "--num-draft", "4", "--steps", "2", "--repeats", "1",
-               "--new-tokens", "40", "--out", str(rule), "--quiet"]) == 0
+               "--new-tokens", "40", "--prior-prompts", "3", "--out", str(rule), "--quiet"]) == 0
   saved = json.loads(rule.read_text())
+  ends = saved["measured"]["prior_prompt_ends"]  # three 300-token windows spread over the file
+  assert len(ends) == 3 and ends[0] == 299 and ends == sorted(set(ends))  # in the text's tokens; BOS first
   assert saved["rule"]["sizes"] == [0, 1, 3, 4] and len(saved["rule"]["costs"]) == 4
   # priors: (first, next) acceptance per draft class (prompt lookup: matched n-gram length 0-3) at K every step
   priors, observed = saved["rule"]["prior_rates"], saved["measured"]["observed_rates_per_class"]

@@ -73,7 +73,7 @@ def _fake_verify(tokens, num_tokens, k, cache, taps):
   b = tokens.shape[0]
   return VerifyResult(start=num_tokens - 1, num_accepted=jnp.ones((b,), jnp.int32),
                       committed=jnp.zeros((b, k + 1), jnp.int32), num_committed=jnp.full((b,), 2, jnp.int32),
-                      taps=taps, new_kv=None, target_cache=cache, tokens=tokens, num_tokens=num_tokens + 2)
+                      taps=taps, new_kv=None, tokens=tokens, num_tokens=num_tokens + 2)
 
 
 def test_state_shape_constant_and_update_appends_context(target, dflash):

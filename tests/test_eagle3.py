@@ -127,7 +127,7 @@ def test_update_equals_fresh_prefill(target, eagle):
   new_n = n + acc + 1
   new_buf = buf.at[jnp.arange(b)[:, None], n[:, None] + jnp.arange(k + 1)].set(committed)
   vr = VerifyResult(start=n - 1, num_accepted=acc, committed=committed, num_committed=acc + 1, taps=taps,
-                    new_kv=None, target_cache=cache, tokens=new_buf, num_tokens=new_n)
+                    new_kv=None, tokens=new_buf, num_tokens=new_n)
   state = _update_fn(spec)(params, state, vr)
   next_drafts, _, _ = _propose(spec, params, state, ProposeContext(new_buf, new_n, sp), jax.random.key(1), k)
 
@@ -233,7 +233,7 @@ def test_drafter_state_shape_constant(target, eagle):
   drafts, probs, state1 = _propose(spec, params, state0, ctx, jax.random.key(0), k, sample=True)
   taps = _verify_taps(target, spec, jnp.concatenate([buf[jnp.arange(2), n - 1][:, None], drafts], 1), cache)
   vr = VerifyResult(start=n - 1, num_accepted=jnp.asarray([1, 0]), committed=jnp.zeros((2, k + 1), jnp.int32),
-                    num_committed=jnp.asarray([2, 1]), taps=taps, new_kv=None, target_cache=cache, tokens=buf,
+                    num_committed=jnp.asarray([2, 1]), taps=taps, new_kv=None, tokens=buf,
                     num_tokens=n + jnp.asarray([2, 1]))
   state2 = _update_fn(spec)(params, state1, vr)
   shape = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)

@@ -17,7 +17,9 @@ from longspec_jax.inference.generate import generate
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult, state_nbytes
 from longspec_jax.drafters.longspark import (create_longspark, load_longspark, longspark_config_for,
                                              longspark_from_model, merge_rows, save_longspark_dir)
-from longspec_jax.drafters.frozen_target import target_io
+from longspec_jax.drafters import load_drafter
+from longspec_jax.drafters.frozen_target import DRAFT_VOCAB_FILE, head_logits, restrict_head, target_io
+from longspec_jax.sampling import NEG_INF
 from longspec_jax.model import create_model, default_target_config
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.verify import verify_greedy
@@ -127,7 +129,7 @@ def _step_by_step(target_model, drafter, prompts, steps, k):
     cache = vout.cache.replace(lengths=num_tokens - 1)
     state = spec.update(params, state, VerifyResult(
         start=start, num_accepted=n_acc, committed=committed, num_committed=n_acc + 1, taps=vout.taps,
-        new_kv=vout.new_kv, target_cache=cache, tokens=buf, num_tokens=num_tokens))
+        new_kv=vout.new_kv, tokens=buf, num_tokens=num_tokens))
     yield state, cache, num_tokens - 1
 
 
@@ -191,7 +193,7 @@ def test_update_with_nothing_committed_leaves_the_state_unchanged(target, longsp
   kv = tuple(jax.random.normal(jax.random.key(i), (target.cfg.num_hidden_layers, 2, k1, 2, 12)) for i in (1, 2))
   taps = jax.random.normal(jax.random.key(3), (2, k1, len(spec.taps), target.cfg.hidden_size))
   vr = VerifyResult(start=s0.length, num_accepted=jnp.zeros((2,), jnp.int32), committed=jnp.zeros((2, k1), jnp.int32),
-                    num_committed=jnp.zeros((2,), jnp.int32), taps=taps, new_kv=kv, target_cache=cache,
+                    num_committed=jnp.zeros((2,), jnp.int32), taps=taps, new_kv=kv,
                     tokens=None, num_tokens=s0.length + 1)
   s1 = spec.update(params, s0, vr)
   for name in ("g_out", "g_lse", "ring_k", "ring_v", "hidden", "length"):
@@ -443,3 +445,45 @@ def test_anchor_sampler_cuts_anywhere_in_the_window():
       assert not np.any(cuts)
     else:
       assert np.mean(np.asarray(cuts) < 0) > 0.5  # most cuts fall inside the prompt
+
+
+def _cut_head(loaded, ids):
+  return dataclasses.replace(loaded, params={**loaded.params, "io": restrict_head(loaded.params["io"], ids)})
+
+
+def test_draft_vocab_cuts_the_head_and_stays_lossless(target, tmp_path):
+  """--draft-vocab N: the LM head covers the first N ids of draft_vocab.json; every other token gets NEG_INF (never
+  drafted), the kept tokens keep their logits, and greedy output still equals AR. Bad sizes and files are refused."""
+  save_longspark_dir(_longspark(target), tmp_path / "d")
+  order = np.random.default_rng(3).permutation(V)
+  (tmp_path / "d" / DRAFT_VOCAB_FILE).write_text(json.dumps({"ids": order.tolist()}))
+  full = load_longspark(tmp_path / "d", target)
+  cut = load_drafter("longspark", target, tmp_path / "d", draft_vocab=V // 3)
+  kept = order[:V // 3]
+  np.testing.assert_array_equal(np.asarray(cut.params["io"]["draft_ids"]), kept)
+  h = jax.random.normal(jax.random.key(0), (2, 3, target.cfg.hidden_size))
+  ref, small = np.asarray(head_logits(full.params["io"], h)), np.asarray(head_logits(cut.params["io"], h))
+  np.testing.assert_allclose(small[..., kept], ref[..., kept], rtol=1e-5, atol=1e-5)
+  assert np.all(np.delete(small, kept, axis=-1) == NEG_INF)
+  prompts = _prompts(2, [7, 33])
+  ar = generate(target, prompts, max_new_tokens=12, eos_id=-1).tokens
+  assert generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=cut, num_draft=7).tokens == ar
+  with pytest.raises(ValueError, match=f"more than the {V} ids"):
+    load_drafter("longspark", target, tmp_path / "d", draft_vocab=V + 1)
+  with pytest.raises(ValueError, match="--draft-vocab applies to"):
+    load_drafter("eagle3", target, tmp_path / "d", draft_vocab=8)
+  (tmp_path / "d" / DRAFT_VOCAB_FILE).unlink()
+  with pytest.raises(FileNotFoundError, match="make_draft_vocab.py"):
+    load_drafter("longspark", target, tmp_path / "d", draft_vocab=8)
+  with pytest.raises(ValueError, match="distinct token ids"):
+    restrict_head(full.params["io"], [1, 1, 2])
+
+
+@pytest.mark.slow
+def test_sampling_with_a_cut_head_matches_target_distribution(peaky_target):  # noqa: F811
+  """Tokens outside the draft vocabulary have q = 0: rejection sampling still gives the target's distribution."""
+  d = longspark_from_model(_longspark(peaky_target, seed=2), peaky_target)
+  d = _cut_head(d, np.random.default_rng(1).permutation(V)[:V // 2])
+  marg = _exact_marginals(peaky_target, SamplingParams.make(1.0))
+  pvals = _chi2_pvalues(_sample(peaky_target, d, 1.0, 0, 1.0, seed=17), marg)
+  assert min(pvals) > 0.01 / N_POS, f"chi-square p-values {pvals}"

@@ -92,7 +92,7 @@ def _fake_verify(tokens, num_tokens, k, cache):
   b = tokens.shape[0]
   return VerifyResult(start=num_tokens - 1, num_accepted=jnp.ones((b,), jnp.int32),
                       committed=jnp.zeros((b, k + 1), jnp.int32), num_committed=jnp.full((b,), 2, jnp.int32),
-                      taps=None, new_kv=None, target_cache=cache, tokens=tokens, num_tokens=num_tokens + 2)
+                      taps=None, new_kv=None, tokens=tokens, num_tokens=num_tokens + 2)
 
 
 @pytest.mark.parametrize("name", ["prompt-lookup", "standalone", "pard"])

@@ -175,12 +175,14 @@ steps_at_program = jax.jit(_steps_at, static_argnums=(0, 4, 5), compiler_options
 
 
 def calibrate_draft_length(model, drafter, prompt_ids: list[int], sizes: tuple[int, ...], steps: int = 16,
-                           repeats: int = 3, timer: Timer | None = None, new_tokens: int = 256):
+                           repeats: int = 3, timer: Timer | None = None, new_tokens: int = 256,
+                           prior_prompts: list[list[int]] | None = None):
   """(rule, AR step ms, observed rates): a DraftLengthRule over `sizes` (largest = K) whose costs and prior
-  rates are measured here. Costs: `steps` engine steps at each fixed size from the prompt's prefill, timed
+  rates are measured here. Costs: `steps` engine steps at each fixed size from `prompt_ids`' prefill, timed
   (median of `repeats`), over the same number of AR steps. Priors: the (first draft, continuation) acceptance
-  per draft class over a greedy generation of `new_tokens` verifying K drafts every step (a class never seen
-  keeps the rule's initial_rate)."""
+  per draft class over a greedy generation of `new_tokens` per prompt of `prior_prompts` (one batch; default
+  `prompt_ids` alone) verifying K drafts every step; a class never seen keeps the rule's initial_rate. One
+  prompt's rates vary a lot with what the text is doing there, hence several."""
   from longspec_jax.inference.draft_length import DraftLengthRule, observed_rates
   timer = timer or Timer()
   k = max(sizes)
@@ -197,7 +199,8 @@ def calibrate_draft_length(model, drafter, prompt_ids: list[int], sizes: tuple[i
   ar_step = per_step["ar", 0]
   costs = tuple(round(per_step["method", s] / ar_step, 4) for s in sizes)
   always_k = DraftLengthRule((k,))  # counts per class while verifying K drafts every step
-  c, p, i = engine.prepare(model, [prompt_ids], new_tokens, drafter=drafter, draft_length=always_k, eos_id=-1)
+  c, p, i = engine.prepare(model, prior_prompts or [prompt_ids], new_tokens, drafter=drafter,
+                           draft_length=always_k, eos_id=-1)
   state = engine.decode_program(c, p, i, engine.prefill_program(c, p, i))
   observed = observed_rates(state.class_counts)
   default = DraftLengthRule(tuple(sizes)).initial_rate

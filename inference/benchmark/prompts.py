@@ -42,3 +42,11 @@ def bench_prompts(ids: list[int], context: int, batch: int, bos: int | None) -> 
     raise ValueError(f"the text has {len(ids)} tokens; context {context} with batch {batch} needs {need}")
   head = [bos] if bos is not None else []
   return [head + ids[b * BATCH_STRIDE: b * BATCH_STRIDE + context - len(head)] for b in range(batch)]
+
+
+def spread_ends(total: int, length: int, count: int) -> list[int]:
+  """End positions of up to `count` windows of `length` tokens spread evenly over `total` tokens (the first ends
+  at `length`, the last at `total`; windows overlap when the text is short; no duplicates)."""
+  if total <= length or count == 1:
+    return [min(length, total)]
+  return sorted({round(length + (total - length) * i / (count - 1)) for i in range(count)})

@@ -27,9 +27,10 @@ def load_target(model: str, rope_scaling: str = ""):
 
 def drafter_checkpoint(method, target=None) -> dict | None:
   """The checkpoint a method's drafter loads (directory and a hash of its weights, config.json and, when the
-  method turns SharpDraft on, sharpdraft.json), so that results of a retrained drafter are never mixed with the old
+  method turns SharpDraft on, sharpdraft.json; with a draft vocabulary, draft_vocab.json), so that results of a retrained drafter are never mixed with the old
   ones; None for methods without a checkpoint (AR, prompt lookup). `method`: a config.MethodSpec."""
   from longspec_jax.drafters import drafter_path
+  from longspec_jax.drafters.frozen_target import DRAFT_VOCAB_FILE
   from longspec_jax.hf_io import weights_sha256
   if method.name == "ar":
     return None
@@ -38,8 +39,10 @@ def drafter_checkpoint(method, target=None) -> dict | None:
   except FileNotFoundError:
     return None
   h = hashlib.sha256(weights_sha256(path).encode())
-  sharp = dict(method.options).get("sharpdraft", "off") != "off"
-  for name in ("config.json", "sharpdraft.json") if sharp else ("config.json",):
+  options = dict(method.options)
+  files = ["config.json"] + (["sharpdraft.json"] if options.get("sharpdraft", "off") != "off" else []) + (
+      [DRAFT_VOCAB_FILE] if options.get("draft_vocab") else [])
+  for name in files:
     if (path / name).exists():
       h.update((path / name).read_bytes())
   return {"dir": str(path), "sha256": h.hexdigest()}

@@ -25,6 +25,9 @@ BUDGET_METHODS = sorted(e.name for e in ENTRIES.values() if "budget" in e.option
 # drafter with a checkpoint of its own.
 COMPOSITE_METHODS = sorted(e.name for e in ENTRIES.values() if "learned" in e.options)
 LEARNED_METHODS = sorted(e.name for e in ENTRIES.values() if e.checkpoint and "learned" not in e.options)
+# Methods that read logits through the target's frozen LM head and can cut it to a draft vocabulary
+# (`--draft-vocab N`: the N ids first in the checkpoint's draft_vocab.json).
+DRAFT_VOCAB_METHODS = sorted(e.name for e in ENTRIES.values() if "draft_vocab" in e.options)
 
 
 def method_names() -> list[str]:
@@ -39,7 +42,7 @@ def drafter_entry(name: str) -> DrafterEntry:
 
 
 def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None = None,
-                          learned: str | None = None) -> None:
+                          learned: str | None = None, draft_vocab: int | None = None) -> None:
   """Raises ValueError when an option does not apply to method `name` (jax-free: the CLI calls it before any
   model loads; load_drafter calls it too)."""
   from longspec_jax.sharpdraft_names import CHOICES
@@ -57,6 +60,12 @@ def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None
     if learned not in LEARNED_METHODS:
       raise ValueError(f"--learned must name a drafter with a checkpoint ({', '.join(LEARNED_METHODS)}), got "
                        f"{learned!r}")
+  if draft_vocab is not None:
+    if not (entry and "draft_vocab" in entry.options):
+      raise ValueError(f"--draft-vocab applies to {', '.join(DRAFT_VOCAB_METHODS)}, not to method {name!r}")
+    if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 1:
+      raise ValueError(f"draft_vocab must be an integer >= 1 (tokens kept in the drafter's LM head), got "
+                       f"{draft_vocab!r}")
 
 
 def _vocab_size(target) -> int | None:
@@ -107,16 +116,19 @@ def drafter_path(name: str, drafter_dir=None, target=None, learned: str | None =
 
 
 def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
-                 budget: int | None = None, learned: str | None = None) -> LoadedDrafter | None:
+                 budget: int | None = None, learned: str | None = None,
+                 draft_vocab: int | None = None) -> LoadedDrafter | None:
   """The drafter of method `name` (see method_names()) for `target`, for `generate(..., drafter=)`; None for "ar".
 
   drafter_dir: a trained checkpoint directory (None = the one shipped for the default target).
   sharpdraft: "off" | "fixed" | "exact" (reads sharpdraft.json beside the drafter checkpoint).
   budget: drafter KV entries kept from the prompt (BUDGET_METHODS only; None = their default, 256).
   learned: the learned drafter of a composite method (COMPOSITE_METHODS: the hybrid; None = its default), whose
-  checkpoint `drafter_dir` then is."""
+  checkpoint `drafter_dir` then is.
+  draft_vocab: the drafter's LM head cut to the first N ids of its checkpoint's draft_vocab.json (the target's
+  most frequent next tokens; DRAFT_VOCAB_METHODS only; None = the full vocabulary)."""
   from longspec_jax.sharpdraft import load_sharpdraft
-  check_drafter_options(name, sharpdraft, budget, learned)
+  check_drafter_options(name, sharpdraft, budget, learned, draft_vocab)
   entry = None if name == "ar" else drafter_entry(name)
   if entry is None:
     return None
@@ -124,6 +136,8 @@ def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
   options = {"budget": budget} if budget is not None else {}
   if learned is not None:
     options["learned"] = learned
+  if draft_vocab is not None:
+    options["draft_vocab"] = draft_vocab
   if entry.sharpdraft:
     options["sharpdraft"] = load_sharpdraft(path, sharpdraft, name) if sharpdraft != "off" else None
   return entry.load(path, target, **options)

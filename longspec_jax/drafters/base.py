@@ -50,7 +50,6 @@ class VerifyResult:
   num_committed: jax.Array  # [B] = num_accepted + 1 (0 for sequences already done)
   taps: jax.Array | None  # [B, K+1, n_taps, H] target residual stream at the verified rows
   new_kv: tuple | None  # target (k, v) for the verified rows, [L, B, K+1, Hkv, D] each
-  target_cache: Any  # the target KVCache after the pass (lengths already advanced)
   tokens: jax.Array  # [B, S_max] token buffer after the commit
   num_tokens: jax.Array  # [B] committed tokens after the commit
 

@@ -28,7 +28,7 @@ from flax import nnx
 from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.drafters.frozen_target import (check_reads_target, default_target_layer_ids, embed_tokens,
-                                                 head_logits, target_io)
+                                                 head_logits, target_io, with_draft_vocab)
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import apply_rope, rope_frequencies
@@ -38,6 +38,7 @@ from longspec_jax.pallas_kernels.length_masked_attention import length_masked_at
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
 DRAFTERS = (DrafterEntry(name="dflash", loader="load_dflash", checkpoint="dflash", sharpdraft=True,
+                         options=("draft_vocab",),
                          trainer="longspec_jax.training.train_dflash:DFlashTrainConfig:train_dflash"),)
 
 
@@ -297,6 +298,8 @@ def load_dflash_model(drafter_dir, dtype=jnp.float32) -> DFlashModel:
   return load_drafter_weights(drafter_dir, lambda: DFlashModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
 
 
-def load_dflash(drafter_dir, target, sharpdraft=None) -> LoadedDrafter:
-  """A DFlash drafter directory (our export or a public z-lab checkpoint) for `target`."""
-  return dflash_from_model(load_dflash_model(drafter_dir), target, sharpdraft)
+def load_dflash(drafter_dir, target, sharpdraft=None, draft_vocab: int | None = None) -> LoadedDrafter:
+  """A DFlash drafter directory (our export or a public z-lab checkpoint) for `target`; `draft_vocab` cuts its
+  LM head to the checkpoint's most frequent tokens (frozen_target.with_draft_vocab)."""
+  return with_draft_vocab(dflash_from_model(load_dflash_model(drafter_dir), target, sharpdraft), drafter_dir,
+                          draft_vocab)

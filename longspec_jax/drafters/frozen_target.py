@@ -3,9 +3,13 @@ carried in a drafter's parameters (`io`), with the functions that apply them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from longspec_jax.sampling import NEG_INF
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -44,7 +48,50 @@ def embed_tokens(io, tokens, dtype):
   return io["embed"][tokens].astype(dtype)
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # beside a checkpoint: {"ids": target token ids, most frequent first, ...}
+
+
+def read_draft_vocab(drafter_dir, size: int) -> np.ndarray:
+  """The first `size` ids of the checkpoint's draft_vocab.json (written by scripts/make_draft_vocab.py)."""
+  import json
+  from pathlib import Path
+  path = Path(drafter_dir) / DRAFT_VOCAB_FILE
+  if not path.is_file():
+    raise FileNotFoundError(f"--draft-vocab needs {path} (token ids by frequency; make it from a distillation "
+                            "store with scripts/make_draft_vocab.py)")
+  ids = json.loads(path.read_text())["ids"]
+  if size > len(ids):
+    raise ValueError(f"draft_vocab {size} is more than the {len(ids)} ids in {path}")
+  return np.asarray(ids[:size], np.int64)
+
+
+def with_draft_vocab(loaded, drafter_dir, size: int | None):
+  """A LoadedDrafter whose params["io"] head is cut to the checkpoint's `size` most frequent tokens (None: as is)."""
+  if size is None:
+    return loaded
+  io = restrict_head(loaded.params["io"], read_draft_vocab(drafter_dir, size))
+  return dataclasses.replace(loaded, params={**loaded.params, "io": io})
+
+
+def restrict_head(io: dict, draft_ids) -> dict:
+  """`io` whose LM head covers only `draft_ids` (target token ids, distinct): the drafter's logits are computed
+  for those tokens alone and every other token gets -inf, so it never proposes one (greedy) or gives it q = 0
+  (sampling); verification stays exact. The head's cost scales with len(draft_ids) instead of the vocabulary."""
+  ids = np.asarray(draft_ids, np.int64)
+  vocab = io["embed"].shape[0]
+  if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= vocab or len(np.unique(ids)) != len(ids):
+    raise ValueError(f"draft_ids must be distinct token ids in [0, {vocab}), got {len(ids)} ids "
+                     f"(range {ids.min() if len(ids) else None}..{ids.max() if len(ids) else None})")
+  rows = io["lm_head"].T if "lm_head" in io else io["embed"]  # [V, H]
+  return {**io, "draft_ids": jnp.asarray(ids, jnp.int32), "draft_head": rows[ids]}
+
+
 def head_logits(io, h):
+  """Logits over the target vocabulary [..., V] from drafter hidden states h [..., H]."""
+  if "draft_ids" in io:
+    small = jnp.einsum("...h,nh->...n", h, io["draft_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    full = jnp.full(small.shape[:-1] + (io["embed"].shape[0],), NEG_INF, jnp.float32)
+    return full.at[..., io["draft_ids"]].set(small)
   if "lm_head" in io:
     return jnp.einsum("...h,hv->...v", h, io["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
   return jnp.einsum("...h,vh->...v", h, io["embed"].astype(h.dtype), preferred_element_type=jnp.float32)

@@ -35,7 +35,7 @@ from flax import nnx
 from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.drafters.frozen_target import (apply_final_norm, check_reads_target, default_target_layer_ids,
-                                                 embed_tokens, head_logits, target_io)
+                                                 embed_tokens, head_logits, target_io, with_draft_vocab)
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import rope_frequencies
@@ -49,6 +49,7 @@ PREFILL_CHUNK = 512  # rows per step of the prefill scan over the prompt's K/V
 # Our parameter names -> the public checkpoint's (FeedForward is nn.Sequential(Linear, SiLU, Linear) there).
 _RENAMES = ((".fc_in.", ".net.0."), (".fc_out.", ".net.2."))
 DRAFTERS = (DrafterEntry(name="longspark", loader="load_longspark", checkpoint="longspark", diagnostics=True,
+                         options=("draft_vocab",),
                          trainer="longspec_jax.training.train_longspark:LongSparkTrainConfig:train_longspark"),)
 
 
@@ -454,6 +455,7 @@ def load_longspark_model(drafter_dir, dtype=jnp.float32) -> LongSparkModel:
   return load_drafter_weights(drafter_dir, lambda: LongSparkModel(cfg, rngs=nnx.Rngs(0), dtype=dtype), _our_name)
 
 
-def load_longspark(drafter_dir, target) -> LoadedDrafter:
-  """A LongSpark drafter directory (our export or the public layout) for `target`."""
-  return longspark_from_model(load_longspark_model(drafter_dir), target)
+def load_longspark(drafter_dir, target, draft_vocab: int | None = None) -> LoadedDrafter:
+  """A LongSpark drafter directory (our export or the public layout) for `target`; `draft_vocab` cuts its LM
+  head to the checkpoint's most frequent tokens (frozen_target.with_draft_vocab)."""
+  return with_draft_vocab(longspark_from_model(load_longspark_model(drafter_dir), target), drafter_dir, draft_vocab)
