@@ -212,3 +212,20 @@ def test_bad_draft_length(target):
     generate(target, [[3, 4, 5]], drafter=lookup, num_draft=4, draft_length=DraftLengthRule((0, 2)))
   with pytest.raises(ValueError, match="prior rates for 2 draft classes; the drafter has 4"):
     generate(target, [[3, 4, 5]], drafter=lookup, draft_length=DraftLengthRule((0, 2), prior_rates=((0.5, 0.5),) * 2))
+
+
+def test_size_switch_keeps_the_target_cache_in_place(target):
+  """The adaptive step's lax.switch must not copy the target's KV cache: a branch returns its K/V rows and the step
+  writes them after the switch (written inside the branches, XLA copied every layer's cache on every step)."""
+  import re
+
+  import jax
+
+  from longspec_jax.inference import engine
+  d = LoadedDrafter(PromptLookupDrafter(V))
+  c, p, i = engine.prepare(target, _prompts(1, [40]), 16, drafter=d, draft_length="auto", eos_id=-1)
+  state = jax.eval_shape(lambda: engine.prefill_and_start(c, p, i))
+  hlo = engine.decode_program.lower(c, p, i, state, jnp.int32(0)).compile().as_text()
+  cache_shape = "f32[" + ",".join(map(str, state.target_cache.k[0].shape)) + "]"
+  copies = [l for l in hlo.split("\n") if re.search(r"= " + re.escape(cache_shape) + r"\{[^}]*\} copy\(", l)]
+  assert state.target_cache.k[0].shape[2] >= 64 and not copies, f"{len(copies)} copies of {cache_shape}"
