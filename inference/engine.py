@@ -290,12 +290,13 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
   scale = jnp.asarray(getattr(drafter, "proposal_cost_scale", None) or (1.0,), jnp.float32)
   proposal_scale = jnp.max(jnp.where(active, scale[jnp.minimum(classes, scale.shape[0] - 1)], 0.0))
   index = choose_size_index(rule, state.accept_rate[classes], active, state.idle_steps, proposal_scale)
-  # The branches leave the target cache alone and return its new rows, padded to K+1; they are written here, after
-  # the switch, so the cache stays in place (written inside the branches, it was copied whole on every step).
+  # The branches leave the target cache and the drafter's update alone and return the verified rows, padded to K+1;
+  # both happen here, after the switch, so the caches stay in place (written inside the branches, XLA copied every
+  # cache whole on every step).
   branches = [functools.partial(_step_rows, config, params, inputs, size=size, pad_rows=rule.max_size + 1)
               for size in rule.sizes]
-  new, n_acc, target_rows = jax.lax.switch(index, branches, state)
-  new = new.replace(target_cache=_write_rows(state.target_cache, target_rows, new.num_tokens))
+  new, n_acc, rows = jax.lax.switch(index, branches, state)
+  new = _apply_rows(config, params, state, new, rows)
   size = jnp.asarray(rule.sizes, jnp.int32)[index]
   counts = step_counts(state.accept_rate.shape[0], size, n_acc, active, classes)
   return new.replace(accept_rate=update_rates(rule, state.accept_rate, counts),
@@ -313,8 +314,19 @@ def step_at(config: GenerationConfig, params: GenerationParams, inputs: Generati
   """`step` verifying `size` drafts (static); 0 is a decode step, in which the drafter proposes nothing (unless
   it catches up on committed tokens only in propose) and still reads the verified row. Returns (state, accepted
   drafts [B])."""
-  new, n_acc, target_rows = _step_rows(config, params, inputs, state, size, size + 1)
-  return new.replace(target_cache=_write_rows(state.target_cache, target_rows, new.num_tokens)), n_acc
+  new, n_acc, rows = _step_rows(config, params, inputs, state, size, size + 1)
+  return _apply_rows(config, params, state, new, rows), n_acc
+
+
+def _apply_rows(config: GenerationConfig, params: GenerationParams, state: EngineState, new: EngineState,
+                rows) -> EngineState:
+  """`new` (a `_step_rows` state) with the verified rows written into the target cache of `state` and read by the
+  drafter's update."""
+  target_rows, verify = rows
+  new = new.replace(target_cache=_write_rows(state.target_cache, target_rows, new.num_tokens))
+  if verify is None:
+    return new
+  return new.replace(drafter_state=config.drafter.update(params.drafter, new.drafter_state, verify))
 
 
 def _write_rows(cache: KVCache, target_rows, num_tokens) -> KVCache:
@@ -328,8 +340,10 @@ def _write_rows(cache: KVCache, target_rows, num_tokens) -> KVCache:
 
 def _step_rows(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
                size: int, pad_rows: int) -> tuple[EngineState, jax.Array, tuple]:
-  """`step_at` but for the target cache: returns (state with target_cache=None, accepted drafts [B], the cache's
-  new rows padded to `pad_rows` (k, v, positions) for `_write_rows`)."""
+  """`step_at` but for the writes of the verified rows: returns (state with target_cache=None and the drafter
+  state as propose left it, accepted drafts [B], (the target cache's new rows (k, v, positions) for `_write_rows`,
+  the `VerifyResult` for the drafter's update or None)), rows padded to `pad_rows` (past num_committed, what a
+  drafter's update reads is junk anyway)."""
   model = nnx.merge(config.graphdef, params.target)
   drafter, k, sp, s = config.drafter, config.num_draft, inputs.sampling, state
   b, max_len = s.tokens.shape
@@ -361,22 +375,24 @@ def _step_rows(config: GenerationConfig, params: GenerationParams, inputs: Gener
   tokens = s.tokens.at[jnp.arange(b)[:, None], write_pos].set(committed, mode="drop")
   num_tokens = s.num_tokens + n_commit
   num_new = s.num_new + n_commit
-  if drafter is not None:
-    dstate = drafter.update(params.drafter, dstate, VerifyResult(
-        start=start_pos, num_accepted=n_acc, committed=committed, num_committed=n_commit, taps=out.taps,
-        new_kv=out.new_kv if drafter.needs_target_kv else None, tokens=tokens,
-        num_tokens=num_tokens))
   hist = s.accept_hist  # counts the steps that verified drafts (AR: every step in [1])
   if size > 0 or drafter is None:
     hist = hist + jnp.sum(jax.nn.one_hot(n_acc, k + 1, dtype=jnp.int32) * active[:, None], axis=0)
+  pad = lambda x, axis: None if x is None else jnp.pad(x, [(0, pad_rows - size - 1) if a == axis else (0, 0)
+                                                          for a in range(x.ndim)])
   # All size+1 verified rows go into the cache (rejected ones are overwritten later); padding rows are dropped.
-  k_new, v_new = (jnp.pad(x, ((0, 0), (0, 0), (0, pad_rows - size - 1), (0, 0), (0, 0))) for x in out.new_kv)
+  k_new, v_new = (pad(x, 2) for x in out.new_kv)
   positions = jnp.where(jnp.arange(pad_rows)[None, :] <= size, start_pos[:, None] + jnp.arange(pad_rows)[None, :],
                         max_len)
+  verify = None
+  if drafter is not None:
+    verify = VerifyResult(start=start_pos, num_accepted=n_acc, committed=pad(committed, 1), num_committed=n_commit,
+                          taps=pad(out.taps, 1), new_kv=(k_new, v_new) if drafter.needs_target_kv else None,
+                          tokens=tokens, num_tokens=num_tokens)
   return s.replace(tokens=tokens, num_tokens=num_tokens, num_new=num_new,
                    done=s.done | (active & (hit_eos | (num_new >= inputs.max_new))), target_cache=None,
                    drafter_state=dstate, step=s.step + 1, active_steps=s.active_steps + active,
-                   accept_hist=hist), n_acc, (k_new, v_new, positions)
+                   accept_hist=hist), n_acc, ((k_new, v_new, positions), verify)
 
 
 NO_STEP_LIMIT = np.iinfo(np.int32).max

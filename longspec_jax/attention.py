@@ -112,16 +112,19 @@ def dense_masked_attention(q, k, v, visible, *, scale: float | None = None, retu
 
 def extend_attention(q, k, v, k_cache, v_cache, positions, *, scale: float | None = None,
                      return_lse: bool = False):
-  """T new rows against a static cache and, causally, each other. q [B, T, Hq, D]; their own k/v [B, T, Hkv, D]
-  at positions [B, T] (increasing by one along T); k/v_cache [B, Hkv, S, D] (the `KVCache` layout), read before
-  this pass writes its rows into it: cache row j is visible iff j < positions[b, 0] (rows at or past it are stale
-  or the new rows themselves), new row t' to new row t iff t' <= t.
+  """T new rows against a static cache and, causally, each other. q [B, T, Hq, D] at positions [B, T]
+  (increasing by one along T); the new rows' k/v [B, Tk, Hkv, D], Tk >= T: the last T belong to the queries,
+  the first Tk - T are new rows just before them (a drafter's chain, kept out of the cache); k/v_cache
+  [B, Hkv, S, D] (the `KVCache` layout), read before this pass writes its rows into it: cache row j is visible iff
+  it precedes the first new row (rows at or past it are stale or the new rows themselves), new row t' to query t
+  iff t' <= t + Tk - T.
 
   Reading the cache before the write keeps the write in place: when a product read the updated buffer, XLA:CPU
   copied the layer's whole cache several times per step (a 1-row decode at 8K took ~10x its bandwidth floor).
   The query heads of a KV group are merged into the rows and (batch, kv_head) into one batch dimension, so each
   product reads one contiguous [S, D] block per KV head."""
   b, t, hq, d = q.shape
+  t_new = k.shape[1]
   kv_heads, s = k_cache.shape[1], k_cache.shape[2]
   g = hq // kv_heads
   scale = d ** -0.5 if scale is None else scale
@@ -129,8 +132,8 @@ def extend_attention(q, k, v, k_cache, v_cache, positions, *, scale: float | Non
   sc_cache = jnp.einsum("nrd,nsd->nrs", qg, k_cache.reshape(b * kv_heads, s, d).astype(q.dtype),
                         preferred_element_type=jnp.float32)
   sc_new = jnp.einsum("nrd,nsd->nrs", qg, _kv_major(k).astype(q.dtype), preferred_element_type=jnp.float32)
-  cache_visible = jnp.arange(s)[None, :] < positions[:, :1]  # [B, S]
-  new_visible = jnp.repeat(jnp.tril(jnp.ones((t, t), bool)), g, axis=0)  # [T*G, T]
+  cache_visible = jnp.arange(s)[None, :] < positions[:, :1] - (t_new - t)  # [B, S]
+  new_visible = jnp.repeat(jnp.tril(jnp.ones((t, t_new), bool), t_new - t), g, axis=0)  # [T*G, Tk]
   sc_cache = jnp.where(jnp.repeat(cache_visible, kv_heads, axis=0)[:, None, :], sc_cache * scale, NEG_INF)
   sc_new = jnp.where(new_visible[None], sc_new * scale, NEG_INF)
   # One exp per score: normalise the [rows, D] output rather than the [rows, S] probabilities.

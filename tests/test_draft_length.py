@@ -214,18 +214,39 @@ def test_bad_draft_length(target):
     generate(target, [[3, 4, 5]], drafter=lookup, draft_length=DraftLengthRule((0, 2), prior_rates=((0.5, 0.5),) * 2))
 
 
-def test_size_switch_keeps_the_target_cache_in_place(target):
-  """The adaptive step's lax.switch must not copy the target's KV cache: a branch returns its K/V rows and the step
-  writes them after the switch (written inside the branches, XLA copied every layer's cache on every step)."""
+def _cache_copies(target, drafter, draft_length, cache_shape):
+  """Copies of buffers shaped `cache_shape` in the compiled decode program."""
   import re
 
   import jax
 
   from longspec_jax.inference import engine
-  d = LoadedDrafter(PromptLookupDrafter(V))
-  c, p, i = engine.prepare(target, _prompts(1, [40]), 16, drafter=d, draft_length="auto", eos_id=-1)
+  c, p, i = engine.prepare(target, _prompts(1, [40]), 16, drafter=drafter, draft_length=draft_length, eos_id=-1,
+                           num_draft=4)
   state = jax.eval_shape(lambda: engine.prefill_and_start(c, p, i))
   hlo = engine.decode_program.lower(c, p, i, state, jnp.int32(0)).compile().as_text()
-  cache_shape = "f32[" + ",".join(map(str, state.target_cache.k[0].shape)) + "]"
-  copies = [l for l in hlo.split("\n") if re.search(r"= " + re.escape(cache_shape) + r"\{[^}]*\} copy\(", l)]
-  assert state.target_cache.k[0].shape[2] >= 64 and not copies, f"{len(copies)} copies of {cache_shape}"
+  shape = "f32[" + ",".join(map(str, cache_shape(state))) + "]"
+  return shape, [l for l in hlo.split("\n") if re.search(r"= " + re.escape(shape) + r"\{[^}]*\} copy\(", l)]
+
+
+def test_size_switch_keeps_the_target_cache_in_place(target):
+  """The adaptive step's lax.switch must not copy the target's KV cache: a branch returns its K/V rows and the step
+  writes them after the switch (written inside the branches, XLA copied every layer's cache on every step)."""
+  shape, copies = _cache_copies(target, LoadedDrafter(PromptLookupDrafter(V)), "auto",
+                                lambda s: s.target_cache.k[0].shape)
+  assert int(shape.split(",")[2]) >= 64 and not copies, f"{len(copies)} copies of {shape}"
+
+
+@pytest.mark.parametrize("draft_length", ["fixed", "auto"])
+def test_eagle3_chain_and_update_keep_the_drafter_cache_in_place(target, draft_length):
+  """EAGLE-3's chain keeps its rows out of the drafter cache and its update runs after the size switch: with the
+  chain written into the cache, XLA copied the cache on every chain step (K = 4: 12 copies a step); with the
+  update inside the switch's branches, 12 more."""
+  from longspec_jax.drafters.eagle3 import create_eagle3_net, default_aux_layers, drafter_config, eagle3_from_net
+  tc = target.cfg
+  aux = default_aux_layers(tc.num_hidden_layers)
+  # A head_dim unlike the target's, so that the drafter cache's shape names only it.
+  arch = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=tc.head_dim + 4, intermediate_size=64)
+  eagle = eagle3_from_net(create_eagle3_net(drafter_config(tc, **arch), tc, aux, seed=1), target, aux)
+  shape, copies = _cache_copies(target, eagle, draft_length, lambda s: s.drafter_state.cache.k[0].shape)
+  assert int(shape.split(",")[2]) >= 64 and not copies, f"{len(copies)} copies of {shape}"

@@ -35,20 +35,23 @@ def test_blockwise_gradient_matches_naive():
   np.testing.assert_allclose(jax.grad(f1)(q), jax.grad(f2)(q), atol=2e-5)
 
 
-def test_extend_attention_reads_committed_cache_rows_and_new_rows_causally():
+@pytest.mark.parametrize("earlier", [0, 2])
+def test_extend_attention_reads_committed_cache_rows_and_new_rows_causally(earlier):
+  """`earlier` new rows precede the queries without being queried (a drafter chain's rows kept out of the cache):
+  the cache is visible only before the first new row."""
   rng = np.random.default_rng(1)
   b, t, hq, hkv, d, s = 2, 3, 4, 2, 8, 20
   q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
-  k_new, v_new = (jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32) for _ in range(2))
+  k_new, v_new = (jnp.asarray(rng.normal(size=(b, earlier + t, hkv, d)), jnp.float32) for _ in range(2))
   # Every cache row holds values, also past each sequence's start (stale rows): those must stay unseen.
   kc, vc = (jnp.asarray(rng.normal(size=(b, hkv, s, d)), jnp.float32) for _ in range(2))
-  start = np.array([5, 10])
-  pos = jnp.asarray(start[:, None] + np.arange(t))
+  start = np.array([5, 10])  # position of the first new row
+  pos = jnp.asarray(start[:, None] + earlier + np.arange(t))
   out, lse = extend_attention(q, k_new, v_new, kc, vc, pos, return_lse=True)
   for bi in range(b):
     for ti in range(t):
-      keys = jnp.concatenate([kc[bi, :, :start[bi]].transpose(1, 0, 2), k_new[bi, :ti + 1]])  # [n, Hkv, D]
-      vals = jnp.concatenate([vc[bi, :, :start[bi]].transpose(1, 0, 2), v_new[bi, :ti + 1]])
+      keys = jnp.concatenate([kc[bi, :, :start[bi]].transpose(1, 0, 2), k_new[bi, :earlier + ti + 1]])
+      vals = jnp.concatenate([vc[bi, :, :start[bi]].transpose(1, 0, 2), v_new[bi, :earlier + ti + 1]])
       kk, vv = jnp.repeat(keys, hq // hkv, axis=1), jnp.repeat(vals, hq // hkv, axis=1)
       sc = jnp.einsum("hd,shd->hs", q[bi, ti], kk) / np.sqrt(d)
       np.testing.assert_allclose(lse[bi, ti], jax.nn.logsumexp(sc, -1), atol=1e-5)

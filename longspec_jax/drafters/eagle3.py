@@ -7,10 +7,11 @@ output hidden state (pre-norm) of the row before it instead (EAGLE-3's training-
 
 In the engine, with n committed tokens (x_{n-1} pending, not yet in the target cache), rows 0..n-2 are real and
 already in the drafter's KV cache, and the state holds the output hidden state of row n-2. propose() reads draft
-1 from that hidden state, then runs speculative rows n-1, n, ... (one token each) for drafts 2..K. update() runs
-the K+1 verified rows (taps of [pending, drafts] at positions n-1..n+K-1, tokens = the committed block) and keeps
-the hidden state of the last committed row. Rows past the committed ones are junk, but every row a query can see
-(position <= its own) was rewritten in the same chain first, so nothing is ever copied back.
+1 from that hidden state, then runs speculative rows n-1, n, ... (one token each) for drafts 2..K, whose K/V stay
+local to the chain (the cache is only read). update() runs the K+1 verified rows (taps of [pending, drafts] at
+positions n-1..n+K-1, tokens = the committed block) into the cache and keeps the hidden state of the last
+committed row. Cached rows past the committed ones are junk, but a query sees only rows before its own, and the
+next update rewrites them first.
 
 Public layout (EAGLE-3 as in SafeAILab/EAGLE, vLLM and SGLang): `fc.weight` [H, n_aux*H_t],
 `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`, `midlayer.self_attn.{q,k,v,o}_proj.weight`
@@ -93,23 +94,39 @@ class Eagle3Net(nnx.Module):
     return self.lm_head(self.norm(h)).astype(jnp.float32)
 
 
-def run_cached(net: Eagle3Net, embeds, feature, positions, cache: KVCache, mode: str, sharpdraft=None,
-               attn_block: int = 512):
-  """Runs rows [B, T] at `positions` and writes their K/V into the drafter cache. mode "prefill": the rows are
-  positions 0..T-1 (blockwise causal attention); "extend": each sequence's rows at its own positions, attending
-  to every cached row at a position <= the query's. Returns (output hidden [B, T, H], cache)."""
+def _layer_qkv(net: Eagle3Net, embeds, feature, positions, sharpdraft):
   layer = net.midlayer
   x, residual = layer.inputs(embeds, feature)
   q, k, v = layer.self_attn.qkv(x, positions, rope_frequencies(net.cfg, jnp.max(positions)))
   if sharpdraft is not None:  # the query of row p sees rows 0..p
     q = sharpdraft.scale_queries(0, q, positions + 1)
+  return residual, q, k, v
+
+
+def run_cached(net: Eagle3Net, embeds, feature, positions, cache: KVCache, mode: str, sharpdraft=None,
+               attn_block: int = 512):
+  """Runs rows [B, T] at `positions` and writes their K/V into the drafter cache. mode "prefill": the rows are
+  positions 0..T-1 (blockwise causal attention); "extend": each sequence's rows at its own positions, attending
+  to every cached row at a position <= the query's. Returns (output hidden [B, T, H], cache)."""
+  residual, q, k, v = _layer_qkv(net, embeds, feature, positions, sharpdraft)
   if mode == "prefill":
     cache = cache.write_prefix(0, k, v)
     o = causal_attention(q, k, v, block=attn_block)
   else:
     o = extend_attention(q, k, v, cache.k[0], cache.v[0], positions)
     cache = cache.write(0, k, v, positions)
-  return layer.out(residual, o), cache
+  return net.midlayer.out(residual, o), cache
+
+
+def run_chain_row(net: Eagle3Net, embeds, feature, positions, cache: KVCache, chain_kv, sharpdraft=None):
+  """One speculative row [B, 1] at `positions`, attending to the cached rows before the chain, the chain's earlier
+  rows (`chain_kv`: (k, v) [B, i, Hkv, D], or None for the first) and itself. The cache is only read: chain rows
+  written into it made XLA copy the whole cache on every chain step. Returns (output hidden [B, 1, H], chain_kv
+  with this row appended)."""
+  residual, q, k, v = _layer_qkv(net, embeds, feature, positions, sharpdraft)
+  if chain_kv is not None:
+    k, v = jnp.concatenate([chain_kv[0], k], axis=1), jnp.concatenate([chain_kv[1], v], axis=1)
+  return net.midlayer.out(residual, extend_attention(q, k, v, cache.k[0], cache.v[0], positions)), (k, v)
 
 
 @flax.struct.dataclass
@@ -165,7 +182,7 @@ class Eagle3Drafter:
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
     net = self._net(params)
     keys = jax.random.split(key, num_draft)
-    h, cache = state.hidden, state.cache
+    h, chain_kv = state.hidden, None
     row = ctx.num_tokens - 2  # the row whose output is `h`
     drafts, probs = [], []
     for i in range(num_draft):
@@ -178,10 +195,10 @@ class Eagle3Drafter:
         d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       drafts.append(d)
       if i + 1 < num_draft:
-        out, cache = run_cached(net, self._embed(params, d[:, None]), h[:, None], (row + 1 + i)[:, None], cache,
-                                "extend", self.sharpdraft)
+        out, chain_kv = run_chain_row(net, self._embed(params, d[:, None]), h[:, None], (row + 1 + i)[:, None],
+                                      state.cache, chain_kv, self.sharpdraft)
         h = out[:, 0]
-    return jnp.stack(drafts, 1), (jnp.stack(probs, 1) if sample else None), state.replace(cache=cache)
+    return jnp.stack(drafts, 1), (jnp.stack(probs, 1) if sample else None), state
 
   def update(self, params, state, verify):
     net = self._net(params)
