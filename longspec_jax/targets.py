@@ -108,7 +108,9 @@ def with_rope_scaling(cfg: ModelConfig, spec: str | None) -> ModelConfig:
   return cfg.replace(rope=rope, max_position_embeddings=int(orig * factor))
 
 
-TARGET_DTYPES = ("float32", "bfloat16")
+# name -> (activations and KV cache, stored weights)
+TARGET_DTYPES = {"float32": ("float32", "float32"), "bfloat16": ("bfloat16", "bfloat16"),
+                 "bf16-weights": ("float32", "bfloat16")}
 
 
 def load_target(name_or_dir: str | os.PathLike | None = None, *, rope_scaling: str | None = None,
@@ -116,16 +118,19 @@ def load_target(name_or_dir: str | os.PathLike | None = None, *, rope_scaling: s
   """The target model (a `Transformer`): a named target, an HF directory, or the shipped default.
 
   rope_scaling: e.g. "yarn:2" to run past the trained context (SmolLM2-135M: 8192 -> 16384 positions).
-  dtype: "float32" or "bfloat16": the weights, activations and KV cache (products accumulate in fp32; logits are
-  fp32). On this project's CPUs fp32 decodes faster: a one-row bf16 product runs ~5x slower in XLA:CPU than fp32."""
+  dtype: "float32", "bfloat16" (weights, activations and KV cache; products accumulate in fp32, logits are fp32)
+  or "bf16-weights" (weights stored in bf16, activations and KV cache fp32). On this project's CPUs a one-row
+  bf16 product runs ~6x slower in XLA:CPU than fp32, so "bfloat16" decodes slowly; "bf16-weights" reads half the
+  weight bytes of fp32 and a verify pass of 8-16 rows costs ~1.3x a decode step instead of ~2x (the model pads
+  its one-row products to two)."""
   import jax.numpy as jnp
   from longspec_jax.hf_io import load_model_dir
   if dtype not in TARGET_DTYPES:
-    raise ValueError(f"target dtype must be one of {TARGET_DTYPES}, got {dtype!r}")
+    raise ValueError(f"target dtype must be one of {tuple(TARGET_DTYPES)}, got {dtype!r}")
   path = resolve_target_dir(name_or_dir, show_progress=show_progress)
-  jdtype = jnp.dtype(dtype)
-  return load_model_dir(path, config_fn=lambda c: with_rope_scaling(c, rope_scaling), dtype=jdtype,
-                        param_dtype=jdtype)
+  compute, weights = TARGET_DTYPES[dtype]
+  return load_model_dir(path, config_fn=lambda c: with_rope_scaling(c, rope_scaling), dtype=jnp.dtype(compute),
+                        param_dtype=jnp.dtype(weights))
 
 
 def load_tokenizer(name_or_dir: str | os.PathLike | None = None, *, show_progress: bool = True):

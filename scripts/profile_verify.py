@@ -31,7 +31,7 @@ from flax import nnx
 from longspec_jax.attention import NEG_INF, extend_attention
 from longspec_jax.kv_cache import COMPILER_OPTIONS
 from longspec_jax.model import param_count
-from longspec_jax.targets import load_target, parse_rope_scaling
+from longspec_jax.targets import TARGET_DTYPES, load_target, parse_rope_scaling
 
 SMALL_CACHE = 64
 
@@ -154,7 +154,7 @@ def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default=None, help="named target or HF directory (default: the shipped target)")
   p.add_argument("--rope-scaling", default=None, help="e.g. yarn:2 for SmolLM2-135M past 8K")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache")
+  p.add_argument("--dtype", default="float32", choices=list(TARGET_DTYPES), help="the target's dtype (see load_target)")
   p.add_argument("--contexts", default="1024,4096,8192")
   p.add_argument("--rows", default="1,9,16")
   p.add_argument("--repeats", type=int, default=9)

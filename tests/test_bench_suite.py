@@ -11,7 +11,7 @@ import yaml
 from longspec_jax.inference.benchmark.config import SuiteConfig, load_config, parse_method
 from longspec_jax.inference.benchmark.prompts import prompt_ids, select_cuts, spread_ends
 from longspec_jax.inference.benchmark.provenance import drafter_checkpoint, load_target
-from longspec_jax.inference.benchmark.statistics import bootstrap_ci, ratio_of_rates
+from longspec_jax.inference.benchmark.statistics import bootstrap_ci, cell_summary, paired_difference, ratio_of_rates
 from longspec_jax.inference.benchmark.suite import run_suite
 from longspec_jax.inference.cli import main
 from longspec_jax.config import ModelConfig, RopeConfig
@@ -145,6 +145,23 @@ def test_bootstrap_ci_against_scipy():
   assert bootstrap_ci(rates, 500, stat=ratio_of_rates) == pytest.approx((2.0, 2.0))
 
 
+def test_paired_speedup_difference_by_hand():
+  """Per-prompt speedups (tokens/s over AR's on the same prompt) compared over the prompts two cells share."""
+  def rec(prompt, decode_s, ar_decode_s, tau):
+    return {"method": "m", "name": "m", "options": {}, "num_draft": 4, "context": 64, "temperature": 0.0,
+            "prompt": prompt, "tau": tau, "new_tokens": 11, "decode_s": decode_s, "ar_new_tokens": 11,
+            "ar_decode_s": ar_decode_s, "accept_hist": [], "exact_match_ar": True, "target_forwards": 5,
+            "ar_target_forwards": 10, "draft_ms_per_step": 1.0, "verify_ms_per_step": 2.0, "prefill_ms": 3.0,
+            "drafter_state_bytes": 0, "peak_rss_bytes": 1, "run_id": "r"}
+  a = cell_summary([rec(0, 1.0, 2.0, 2.0), rec(1, 1.0, 3.0, 3.0), rec(2, 2.0, 2.0, 1.0)], 2000, 0.95)
+  b = cell_summary([rec(0, 2.0, 2.0, 1.0), rec(1, 1.0, 2.0, 2.0)], 2000, 0.95)
+  assert a["speedup_per_prompt"] == pytest.approx([2.0, 3.0, 1.0])
+  d = paired_difference(a, b, 2000, 0.95)
+  assert d["prompts"] == 2 and d["speedup_diff"] == pytest.approx(((2 - 1) + (3 - 2)) / 2)
+  assert d["speedup_diff_ci"] == pytest.approx([1.0, 1.0]) and d["speedup_exceeds_ci"]
+  assert d["diff"] == pytest.approx(1.0)  # tau: (2 - 1 + 3 - 2) / 2
+
+
 def test_cuts_are_seeded_prefix_stable_and_spread():
   cuts = select_cuts([500, 800, 300, 900, 50], 8, 4, 200, seed=0)
   assert cuts == select_cuts([500, 800, 300, 900, 50], 8, 4, 200, seed=0)
@@ -172,7 +189,7 @@ def test_method_options_and_config_errors(env, tmp_path):
          "methods=[pard:num_draft=0]": "num_draft must be an integer", "methods=[ar,ar]": "duplicates",
          "contexts=[]": "contexts must be", "contexts=[256]": "exceeds cut_min_tokens", "num_prompts=1": "num_prompts",
          "temperatures=[-1]": "temperatures", "docs=[/no/such.txt]": "not found", "ci=1.5": "ci must be",
-         "colour=red": "unknown config keys", "rope_scaling=yarn": "TYPE:FACTOR",
+         "colour=red": "unknown config keys", "rope_scaling=yarn": "TYPE:FACTOR", "dtype=fp16": "dtype must be one of",
          "reference_context=64": "reference_context 64 is not one of the contexts",
          "methods=[pard:draft_length=sometimes]": "draft_length must be fixed, auto or a rule JSON"}
   for override, msg in bad.items():

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from longspec_jax.attention import causal_attention, extend_attention
+from longspec_jax.model import matmul
 
 
 def naive_causal(q, k, v):
@@ -111,3 +112,38 @@ def test_logits_at_selects_rows(tiny_model):
 def test_params_carry_logical_axes(tiny_model):
   variables = jax.tree.leaves(nnx.state(tiny_model), is_leaf=lambda x: isinstance(x, nnx.Variable))
   assert variables and all(v.get_metadata().get("logical_axes") for v in variables)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_narrow_weight_matmul_keeps_fp32_activations(rows):
+  """bf16 weights with fp32 activations: the product is that of the fp32 x with the stored weights to ~1e-6
+  (x in two bf16 parts), not that of x rounded to bf16 (~1e-3 off: enough to change greedy tokens between a
+  decode step and a verify pass)."""
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.standard_normal((1, rows, 24)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((24, 40)), jnp.bfloat16)
+  want = np.einsum("bri,io->bro", np.asarray(x, np.float64), np.asarray(w, np.float64))
+  rounded = np.einsum("bri,io->bro", np.asarray(x.astype(jnp.bfloat16), np.float64), np.asarray(w, np.float64))
+  scale = np.abs(want).max()
+  got = matmul(x, w, "...i,io->...o")
+  assert got.dtype == jnp.float32 and got.shape == (1, rows, 40)
+  assert np.abs(np.asarray(got) - want).max() < 1e-5 * scale < np.abs(rounded - want).max()
+  head = matmul(x, w.T, "...h,vh->...v", jnp.float32)  # the tied LM head's layout
+  assert np.abs(np.asarray(head) - want).max() < 1e-5 * scale
+  wide = matmul(x, w.astype(jnp.float32), "...i,io->...o")  # equal widths: a plain product
+  np.testing.assert_allclose(wide, want, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_bf16_weight_model_decodes_like_its_own_forward(tiny_model):
+  """A target with bf16 weights and fp32 activations (dtype "bf16-weights"): fp32 cache and logits, and a
+  one-row decode step (padded products) gives the logits of the same model's full forward."""
+  graphdef, state = nnx.split(tiny_model)
+  m = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.bfloat16), state))
+  tok = jnp.asarray(np.random.default_rng(7).integers(0, 128, (1, 21)))
+  full = m(tok, mode="train").logits
+  cache = m.init_cache(1, 32)
+  assert full.dtype == jnp.float32 and cache.k[0].dtype == jnp.float32
+  pre = m(tok[:, :20], cache=cache, mode="prefill")
+  step = m(tok[:, 20:], cache=pre.cache.replace(lengths=jnp.asarray([20])), mode="extend")
+  np.testing.assert_allclose(step.logits[:, 0], full[:, 20], atol=1e-4)
+  assert not np.allclose(full, tiny_model(tok, mode="train").logits, atol=1e-4)  # the weights really are bf16

@@ -77,3 +77,23 @@ def test_shipped_longspark_is_lossless_and_accepts_at_long_context():
   assert spec.tokens == ar.tokens
   # An untrained drafter gives ~1.0; the bench suite measures 3-7 at 4-8K on held-out text.
   assert spec.stats["tau"] > 2.0, spec.stats
+
+
+@pytest.mark.parametrize("method,draft_length", [("longspark", "fixed"), ("hybrid", "auto")])
+def test_bf16_weight_target_with_shipped_drafters_equals_its_ar(method, draft_length):
+  """The shipped target loaded with dtype "bf16-weights" (bf16 weights, fp32 activations and cache): drafters that
+  read its bf16 embedding and LM head (LongSpark, EAGLE-3 in the hybrid) stay lossless against its own AR, and
+  still draft well."""
+  import jax.numpy as jnp
+
+  from longspec_jax import generate, load_drafter, load_target, load_tokenizer, long_doc_paths
+
+  model, tok = load_target(dtype="bf16-weights"), load_tokenizer()
+  assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16 and model.init_cache(1, 8).k[0].dtype == jnp.float32
+  ids = tok.encode(long_doc_paths()[1].read_text()).ids
+  prompts = [[model.cfg.bos_token_id] + ids[:300], [model.cfg.bos_token_id] + ids[500:700]]
+  ar = generate(model, prompts, max_new_tokens=32)
+  spec = generate(model, prompts, max_new_tokens=32, drafter=load_drafter(method, model), num_draft=7,
+                  draft_length=draft_length)
+  assert spec.tokens == ar.tokens
+  assert spec.stats["tau"] > 1.5, spec.stats

@@ -13,16 +13,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_target(model: str, rope_scaling: str = ""):
+def load_target(model: str, rope_scaling: str = "", dtype: str = "float32"):
   """(model, tokenizer, description) for a suite config's `model:` (a named target such as smollm2-135m, a model
-  directory, or "" for the shipped default) and `rope_scaling:` (e.g. "yarn:2"; "" = none)."""
+  directory, or "" for the shipped default), `rope_scaling:` (e.g. "yarn:2"; "" = none) and `dtype:`."""
   from longspec_jax.hf_io import weights_sha256
   from longspec_jax.targets import load_target as load, resolve_target_dir
   from longspec_jax.tokenizer import load_tokenizer
   path = resolve_target_dir(model or None)
-  return (load(path, rope_scaling=rope_scaling or None), load_tokenizer(path),
+  return (load(path, rope_scaling=rope_scaling or None, dtype=dtype), load_tokenizer(path),
           {"model": model or "shipped default", "dir": str(path), "rope_scaling": rope_scaling or None,
-           "weights_sha256": weights_sha256(path)})
+           "dtype": dtype, "weights_sha256": weights_sha256(path)})
 
 
 def drafter_checkpoint(method, target=None) -> dict | None:

@@ -110,13 +110,16 @@ def markdown(results: dict, plots: tuple[str, ...] = PLOTS) -> str:
   md += ["", "draft ms / verify ms: one draft pass and one verify pass (K+1 rows) at the prompt's context, timed "
          "apart (median over prompts). AR ms/step: AR decode time per token. Peak RSS: the process's peak so far "
          "(it only grows over a sweep).", "",
-         "## Which tau differences exceed their confidence interval", "",
+         "## Which tau and speedup differences exceed their confidence interval", "",
          "Paired bootstrap over the prompts both methods ran (same prompts, same cut points): the CI of the mean "
-         "difference excludes 0.", "",
-         "| T | context | A | B | tau A - B [CI] | exceeds CI |", "|---|---|---|---|---|---|"]
+         "difference excludes 0. Speedup: each prompt's tokens/s over AR's on that prompt in the same process.", "",
+         "| T | context | A | B | tau A - B [CI] | exceeds CI | speedup A - B [CI] | exceeds CI |",
+         "|---|---|---|---|---|---|---|---|"]
   for d in results["tau_differences"]:
+    speedup = (f"{d['speedup_diff']:+.2f} [{d['speedup_diff_ci'][0]:+.2f}, {d['speedup_diff_ci'][1]:+.2f}] | "
+               f"{'yes' if d['speedup_exceeds_ci'] else 'no'}" if "speedup_diff" in d else "- | -")
     md.append(f"| {d['temperature']:g} | {d['context']} | {d['a']} | {d['b']} | {d['diff']:+.2f} "
-              f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}] | {'yes' if d['exceeds_ci'] else 'no'} |")
+              f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}] | {'yes' if d['exceeds_ci'] else 'no'} | {speedup} |")
   md += ["", f"## tau change from the reference context ({cfg.get('reference_context') or min(cfg['contexts'])}; "
          "paired over the same cut points)", "",
          "| T | method | context | tau(context) - tau(ref) [CI] | difference exceeds CI | tau(context) / tau(ref) [CI] |",

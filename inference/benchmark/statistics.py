@@ -50,6 +50,8 @@ def cell_summary(recs: list[dict], n_boot: int, ci: float) -> dict:
       "ar_tokens_per_s": float(rates[:, 2].sum() / rates[:, 3].sum()) if ok else None,
       "speedup": float(ratio_of_rates(rates)) if ok else None,
       "speedup_ci": list(bootstrap_ci(rates, n_boot, ci, stat=ratio_of_rates)) if ok else None,
+      # Each prompt's own decode-rate ratio, for paired comparisons between methods on the same prompts.
+      "speedup_per_prompt": ((rates[:, 0] / rates[:, 1]) / (rates[:, 2] / rates[:, 3])).tolist() if ok else None,
       "ms_per_step": float(1000 * rates[:, 1].sum() / max(sum(r["target_forwards"] for r in recs), 1)),
       "ar_ms_per_step": float(1000 * rates[:, 3].sum() / max(sum(r["ar_target_forwards"] for r in recs), 1)),
       "draft_ms_per_step": float(np.median([r["draft_ms_per_step"] for r in recs])),
@@ -68,8 +70,9 @@ def cell_summary(recs: list[dict], n_boot: int, ci: float) -> dict:
 
 
 def paired_difference(a: dict, b: dict, n_boot: int, ci: float) -> dict | None:
-  """Paired bootstrap, over the prompts two cells both measured (same cut points), of mean tau(a) - tau(b) and of
-  mean tau(a) / mean tau(b). None with fewer than two common prompts."""
+  """Paired bootstrap, over the prompts two cells both measured (same cut points), of mean tau(a) - tau(b), of
+  mean tau(a) / mean tau(b) and, where both cells have them, of the mean difference of per-prompt speedups (each
+  against AR on that prompt in its own process). None with fewer than two common prompts."""
   ta = dict(zip(a["prompts"], a["tau_per_prompt"]))
   tb = dict(zip(b["prompts"], b["tau_per_prompt"]))
   common = sorted(set(ta) & set(tb))
@@ -79,5 +82,12 @@ def paired_difference(a: dict, b: dict, n_boot: int, ci: float) -> dict | None:
   diff = pair[:, 0] - pair[:, 1]
   lo, hi = bootstrap_ci(diff, n_boot, ci)
   ratio_ci = bootstrap_ci(pair, n_boot, ci, stat=lambda x: x[..., 0].mean(-1) / x[..., 1].mean(-1))
-  return {"diff": float(diff.mean()), "ci": [lo, hi], "ratio": float(pair[:, 0].mean() / pair[:, 1].mean()),
-          "ratio_ci": list(ratio_ci), "prompts": len(common), "exceeds_ci": bool(lo > 0 or hi < 0)}
+  out = {"diff": float(diff.mean()), "ci": [lo, hi], "ratio": float(pair[:, 0].mean() / pair[:, 1].mean()),
+         "ratio_ci": list(ratio_ci), "prompts": len(common), "exceeds_ci": bool(lo > 0 or hi < 0)}
+  if a.get("speedup_per_prompt") and b.get("speedup_per_prompt"):
+    sa, sb = (dict(zip(c["prompts"], c["speedup_per_prompt"])) for c in (a, b))
+    sdiff = np.asarray([sa[i] - sb[i] for i in common])
+    slo, shi = bootstrap_ci(sdiff, n_boot, ci)
+    out.update(speedup_diff=float(sdiff.mean()), speedup_diff_ci=[slo, shi],
+               speedup_exceeds_ci=bool(slo > 0 or shi < 0))
+  return out

@@ -106,7 +106,7 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
   methods = validate(cfg)
   out = Path(out)
   (out / "cells").mkdir(parents=True, exist_ok=True)
-  model, tok, target = provenance.load_target(cfg.model, cfg.rope_scaling)
+  model, tok, target = provenance.load_target(cfg.model, cfg.rope_scaling, cfg.dtype)
   mcfg = model.cfg
   engine.sizes(mcfg, max(cfg.contexts), cfg.new_tokens)  # raises if even AR does not fit
   doc_paths = [Path(d) for d in cfg.docs] or long_doc_paths()
@@ -120,8 +120,9 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
   peer_checkpoint = llamacpp.gguf_checkpoint(gguf) if peers else None
   checkpoints = {m.text: peer_checkpoint if m.name in PEER_METHODS else provenance.drafter_checkpoint(m, model)
                  for m in methods}
-  # A RoPE override changes the target but not its weights.
-  target_id = target["weights_sha256"] + (f"+{cfg.rope_scaling}" if cfg.rope_scaling else "")
+  # A RoPE override or a dtype changes the target but not its weights file.
+  target_id = (target["weights_sha256"] + (f"+{cfg.rope_scaling}" if cfg.rope_scaling else "")
+               + (f"+{cfg.dtype}" if cfg.dtype != "float32" else ""))
 
   def fp(m: Method, ctx: int, temp: float, p: dict) -> str:
     return provenance.fingerprint(target_id, m.spec.text, m.num_draft, checkpoints[m.spec.text], ctx, temp,

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longspec_jax.model import matmul
 from longspec_jax.sampling import NEG_INF
 
 
@@ -89,12 +90,12 @@ def restrict_head(io: dict, draft_ids) -> dict:
 def head_logits(io, h):
   """Logits over the target vocabulary [..., V] from drafter hidden states h [..., H]."""
   if "draft_ids" in io:
-    small = jnp.einsum("...h,nh->...n", h, io["draft_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    small = matmul(h, io["draft_head"], "...h,nh->...n", jnp.float32)
     full = jnp.full(small.shape[:-1] + (io["embed"].shape[0],), NEG_INF, jnp.float32)
     return full.at[..., io["draft_ids"]].set(small)
   if "lm_head" in io:
-    return jnp.einsum("...h,hv->...v", h, io["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
-  return jnp.einsum("...h,vh->...v", h, io["embed"].astype(h.dtype), preferred_element_type=jnp.float32)
+    return matmul(h, io["lm_head"], "...h,hv->...v", jnp.float32)
+  return matmul(h, io["embed"], "...h,vh->...v", jnp.float32)
 
 
 def apply_final_norm(io, h):
