@@ -120,6 +120,7 @@ def main():
   from longspec_jax.config import ModelConfig
   from longspec_jax.inference.benchmark.prompts import prompt_ids
   from longspec_jax.inference.benchmark.statistics import bootstrap_ci
+  from longspec_jax.inference.benchmark.suite import load_records
   from longspec_jax.targets import resolve_target_dir
   from longspec_jax.tokenizer import load_tokenizer
 
@@ -130,8 +131,9 @@ def main():
   paths = {p.name: p for p in ([Path(d) for d in cfg["docs"]] or long_doc_paths())}
   docs = {name: tok.encode(path.read_text()).ids for name, path in paths.items()}
   prompts = {p["index"]: p for p in res["prompts"]}
-  ar = {(r["context"], r["prompt"]): r["tokens"] for r in res["records"] if r["method"] == "ar"}
-  recorded = {(r["context"], r["prompt"]): r["tau"] for r in res["records"] if r["method"] == a.check_method}
+  records = load_records(Path(a.suite))  # the per-prompt records, cells/*.jsonl
+  ar = {(r["context"], r["prompt"]): r["tokens"] for r in records if r["method"] == "ar"}
+  recorded = {(r["context"], r["prompt"]): r["tau"] for r in records if r["method"] == a.check_method}
   try:
     make_arctic = {"arctic": arctic(), "arctic-factor4": arctic(max_spec_factor=4.0, min_token_prob=0.0)}
   except ImportError:

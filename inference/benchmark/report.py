@@ -198,8 +198,9 @@ def plot(results: dict, out: Path) -> list[Path]:
 
 
 def write_outputs(results: dict, out: Path) -> None:
-  """results.json and results.md, then the plots if matplotlib is installed (else a notice on stderr)."""
-  (out / "results.json").write_text(json.dumps(results, indent=1))
+  """results.json (without the per-prompt records: they are in cells/*.jsonl beside it), results.md, then the plots
+  if matplotlib is installed (else a notice on stderr)."""
+  (out / "results.json").write_text(json.dumps({k: v for k, v in results.items() if k != "records"}, indent=1))
   try:
     import matplotlib  # noqa: F401
   except ImportError:
