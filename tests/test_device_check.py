@@ -41,3 +41,15 @@ def test_dry_run_writes_every_result(tmp_path):
   assert records and all(r["exact_match_ar"] for r in records)
   summary = (out / "SUMMARY.md").read_text()
   assert "## Kernels" in summary and "## Target pass cost" in summary and "## Bench suite: suite" in summary
+
+
+def test_summary_only_rewrites_the_summary_from_what_a_stopped_run_left(tmp_path):
+  out = tmp_path / "dc"
+  out.mkdir()
+  (out / "kernels.json").write_text(json.dumps({"backend": "gpu"}))
+  (out / "kernels.txt").write_text("qsa_dense 4096 64 0.138 0.105 1.32 1.95e-03\n")
+  res = _run("--summary-only", "--out", str(out))
+  assert res.returncode == 0, res.stderr
+  summary = (out / "SUMMARY.md").read_text()
+  assert "backend gpu" in summary and "qsa_dense 4096 64" in summary
+  assert "## Bench suite" not in summary  # no suite ran: none is made up
