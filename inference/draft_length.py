@@ -18,7 +18,10 @@ nearly always wrong, and one pair of rates would average them. Each rate is an e
 per-step estimate over the active sequences of the class: a from whether the first draft was accepted, b from
 the drafts after an accepted one (accepted / (accepted + rejections); a sequence that accepts all s drafts saw no
 rejection); only steps that verified drafts move them. After `probe_every` consecutive 0-size steps, one step
-uses the smallest positive size, so the rates can recover.
+uses the smallest positive size, so the rates can recover. A probe whose first draft every sequence rejected
+multiplies the wait before the next by `probe_backoff` (up to `max_probe_every`); any accepted draft resets it. A
+drafter that is never right (SmolLM2's DFlash at T = 1) so pays for 2 probes in 64 tokens instead of 3, and
+ever fewer after.
 
 Lossless: the size is a function of committed tokens and earlier steps only (the class, the rates, a counter),
 and every size is an exact verification (greedy or rejection sampling), so the output distribution is the
@@ -52,6 +55,8 @@ class DraftLengthRule:
   prior_rates: tuple[tuple[float, float], ...] = ()
   decay: float = 0.8  # EMA weight of the old rate per step that observed it
   probe_every: int = 16  # after this many 0-size steps in a row, one step with the smallest positive size
+  probe_backoff: float = 2.0  # the wait grows by this after a probe that accepted nothing (1: a fixed interval)
+  max_probe_every: int = 256  # the longest wait between probes
 
   def __post_init__(self):
     s = self.sizes
@@ -66,8 +71,9 @@ class DraftLengthRule:
       problems.append(f"need 0 <= initial_rate <= 1 and 0 <= decay < 1, got {self.initial_rate}, {self.decay}")
     if any(len(r) != 2 or not all(0 <= x <= 1 for x in r) for r in self.prior_rates):
       problems.append(f"prior_rates must be (a, b) pairs in [0, 1], one per draft class, got {self.prior_rates}")
-    if self.probe_every < 1:
-      problems.append(f"probe_every must be >= 1, got {self.probe_every}")
+    if self.probe_every < 1 or self.probe_backoff < 1 or self.max_probe_every < self.probe_every:
+      problems.append(f"need probe_every >= 1, probe_backoff >= 1 and max_probe_every >= probe_every, got "
+                      f"{self.probe_every}, {self.probe_backoff}, {self.max_probe_every}")
     if problems:
       raise ValueError("; ".join(problems))
 
@@ -127,15 +133,23 @@ def expected_tokens(rates, sizes) -> jax.Array:
   return 1.0 + a * (1.0 - b ** s) / (1.0 - b)
 
 
-def choose_size_index(rule: DraftLengthRule, row_rates, active, idle_steps, proposal_scale=1.0) -> jax.Array:
+def choose_size_index(rule: DraftLengthRule, row_rates, active, idle_steps, proposal_scale=1.0,
+                      probe_wait=None) -> jax.Array:
   """[] int32 index into rule.sizes for this step, from each sequence's rates (its class's) [B, 2] over the
-  active sequences [B]."""
+  active sequences [B]; a probe after `probe_wait` idle steps (default rule.probe_every)."""
   tokens = jnp.sum(jnp.where(jnp.asarray(active)[:, None], expected_tokens(row_rates, rule.sizes), 0.0), axis=0)
   best = jnp.argmax(tokens / rule.step_costs(proposal_scale)).astype(jnp.int32)
   if rule.sizes[0] != 0 or len(rule.sizes) == 1:
     return best
-  probe = (best == 0) & (idle_steps >= rule.probe_every)
+  probe = (best == 0) & (idle_steps >= (rule.probe_every if probe_wait is None else probe_wait))
   return jnp.where(probe, 1, best)
+
+
+def next_probe_wait(rule: DraftLengthRule, probe_wait, probed, accepted_any) -> jax.Array:
+  """The idle steps before the next probe after a step: back to probe_every once any draft was accepted, longer
+  (x probe_backoff, capped) after a probe that accepted nothing."""
+  longer = jnp.minimum(jnp.ceil(probe_wait * rule.probe_backoff), rule.max_probe_every).astype(jnp.int32)
+  return jnp.where(accepted_any, jnp.int32(rule.probe_every), jnp.where(probed, longer, probe_wait))
 
 
 def initial_rates(rule: DraftLengthRule, num_classes: int) -> jax.Array:

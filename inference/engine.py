@@ -37,7 +37,7 @@ from flax import nnx
 from longspec_jax.drafters.base import (LoadedDrafter, PrefillResult, ProposeContext, VerifyResult, default_num_draft,
                                        max_draft_tokens)
 from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, initial_rates,
-                                                 observed_rates, step_counts, update_rates)
+                                                 next_probe_wait, observed_rates, step_counts, update_rates)
 from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
 from longspec_jax.sampling import SamplingParams, sample_token
 from longspec_jax.verify import verify_greedy, verify_sampling
@@ -229,6 +229,7 @@ class EngineState:
   accept_hist: jax.Array  # [K+1] how often 0..K drafts were accepted (active sequences, steps verifying drafts)
   accept_rate: jax.Array  # [C, 2] per draft class: P(first draft accepted), P(next | previous accepted)
   idle_steps: jax.Array  # [] consecutive 0-size steps (draft_length rule)
+  probe_wait: jax.Array  # [] idle steps before the next probe (draft_length rule; grows after failed probes)
   size_hist: jax.Array  # [n_sizes] steps at each of the rule's sizes ([1]: fixed K)
   class_counts: jax.Array  # [C, 4] what the steps observed per draft class (draft_length.step_counts, summed)
 
@@ -259,6 +260,7 @@ def start(config: GenerationConfig, params: GenerationParams, inputs: Generation
                      accept_rate=(initial_rates(config.draft_length, draft_classes(config.drafter))
                                   if config.draft_length else jnp.zeros((1, 2), jnp.float32)),
                      idle_steps=jnp.int32(0),
+                     probe_wait=jnp.int32(config.draft_length.probe_every if config.draft_length else 0),
                      size_hist=jnp.zeros((len(config.draft_length.sizes) if config.draft_length else 1,), jnp.int32),
                      class_counts=jnp.zeros((draft_classes(config.drafter), 4), jnp.int32))
 
@@ -289,7 +291,8 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
                                                  sampling=inputs.sampling))
   scale = jnp.asarray(getattr(drafter, "proposal_cost_scale", None) or (1.0,), jnp.float32)
   proposal_scale = jnp.max(jnp.where(active, scale[jnp.minimum(classes, scale.shape[0] - 1)], 0.0))
-  index = choose_size_index(rule, state.accept_rate[classes], active, state.idle_steps, proposal_scale)
+  index = choose_size_index(rule, state.accept_rate[classes], active, state.idle_steps, proposal_scale,
+                            state.probe_wait)
   # The branches leave the target cache and the drafter's update alone and return the verified rows, padded to K+1;
   # both happen here, after the switch, so the caches stay in place (written inside the branches, XLA copied every
   # cache whole on every step).
@@ -299,8 +302,11 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
   new = _apply_rows(config, params, state, new, rows)
   size = jnp.asarray(rule.sizes, jnp.int32)[index]
   counts = step_counts(state.accept_rate.shape[0], size, n_acc, active, classes)
+  probed = (size > 0) & (state.idle_steps >= state.probe_wait)
+  accepted_any = jnp.any(active & (n_acc >= 1))
   return new.replace(accept_rate=update_rates(rule, state.accept_rate, counts),
                      idle_steps=jnp.where(size == 0, state.idle_steps + 1, 0),
+                     probe_wait=next_probe_wait(rule, state.probe_wait, probed, accepted_any),
                      size_hist=state.size_hist.at[index].add(1), class_counts=state.class_counts + counts)
 
 

@@ -12,8 +12,8 @@ import pytest
 from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
 from longspec_jax.drafters.standalone import standalone_from_model
-from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, step_counts,
-                                                 update_rates)
+from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, next_probe_wait,
+                                                 step_counts, update_rates)
 from longspec_jax.inference.generate import generate
 from longspec_jax.model import create_model
 
@@ -157,6 +157,33 @@ def test_always_right_takes_k_and_always_wrong_takes_zero(target):
   assert "size_share" not in fixed.stats
 
 
+def test_probe_wait_by_hand():
+  rule = DraftLengthRule((0, 1, 3), probe_every=16, probe_backoff=2.0, max_probe_every=100)
+  wait = lambda w, probed, accepted: int(next_probe_wait(rule, jnp.int32(w), probed, accepted))
+  assert wait(16, True, False) == 32 and wait(64, True, False) == 100  # a failed probe: longer, capped
+  assert wait(64, True, True) == 16 and wait(64, False, True) == 16  # any accepted draft: back to probe_every
+  assert wait(32, False, False) == 32  # a step that probed nothing changes nothing
+  fixed = DraftLengthRule((0, 1), probe_every=4, probe_backoff=1.0)
+  assert int(next_probe_wait(fixed, jnp.int32(4), True, False)) == 4
+
+
+def test_failed_probes_back_off(target):
+  """A drafter that is always wrong, under a rule whose costs make 0 the choice: with a fixed interval of 2 it is
+  probed on every third step; with backoff x2 the waits are 2, 4, 8, 16, 32 (5 probes in 70 steps). Counted, and
+  the output equals AR both ways."""
+  prompts = _prompts(1, [40])
+  ar = generate(target, prompts, max_new_tokens=70, eos_id=-1).tokens
+  drafter = LoadedDrafter(ConstantDrafter(V, token=2))
+  probes = {}
+  for backoff in (1.0, 2.0):
+    rule = DraftLengthRule((0, 1), costs=(1.0, 100.0), probe_every=2, probe_backoff=backoff)
+    out = generate(target, prompts, max_new_tokens=70, eos_id=-1, drafter=drafter, draft_length=rule)
+    assert out.tokens == ar
+    assert out.stats["accept_hist"][1] == 0  # never right: no probe reset the wait
+    probes[backoff] = round(out.stats["size_share"][1] * out.target_forwards)
+  assert probes[1.0] == 23 and probes[2.0] == 5, probes
+
+
 def test_rates_per_draft_class_follow_bursts(target):
   """A drafter right in one class and wrong in the other gets one rate per class: K where it is right, decode steps
   where it is wrong, rather than one averaged size. One sequence: a batch takes one size for all its rows."""
@@ -181,7 +208,7 @@ def test_zero_size_steps_keep_the_drafter_current(target, name):
              "prompt-lookup": LoadedDrafter(PromptLookupDrafter(V))}[name]
   prompts = _prompts(4, [3, 40, 17, 90])
   ar = generate(target, prompts, max_new_tokens=30, eos_id=-1).tokens
-  rule = DraftLengthRule((0, 1), costs=(1.0, 100.0), probe_every=2)
+  rule = DraftLengthRule((0, 1), costs=(1.0, 100.0), probe_every=2, probe_backoff=1.0)
   out = generate(target, prompts, max_new_tokens=30, eos_id=-1, drafter=drafter, draft_length=rule)
   assert out.tokens == ar
   assert out.stats["size_share"][1] == pytest.approx(1 / 3, abs=0.05)
