@@ -277,3 +277,102 @@ def test_eagle3_chain_and_update_keep_the_drafter_cache_in_place(target, draft_l
   eagle = eagle3_from_net(create_eagle3_net(drafter_config(tc, **arch), tc, aux, seed=1), target, aux)
   shape, copies = _cache_copies(target, eagle, draft_length, lambda s: s.drafter_state.cache.k[0].shape)
   assert int(shape.split(",")[2]) >= 64 and not copies, f"{len(copies)} copies of {shape}"
+
+
+def _learned_drafter(target, name):
+  """A tiny random drafter of a method whose update keeps its state current (so 0-size steps defer it)."""
+  from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, dflash_from_model
+  from longspec_jax.drafters.eagle3 import create_eagle3_net, default_aux_layers, drafter_config, eagle3_from_net
+  from longspec_jax.drafters.longspark import create_longspark, longspark_config_for, longspark_from_model
+  tc = target.cfg
+  if name == "dflash":
+    return dflash_from_model(create_dflash(dflash_config_for(tc, num_layers=1, num_target_taps=2, block_size=5),
+                                           seed=1), target)
+  if name == "longspark":
+    return longspark_from_model(create_longspark(longspark_config_for(tc, num_layers=1, raw_window=16), seed=3),
+                                target)
+  aux = default_aux_layers(tc.num_hidden_layers)
+  return eagle3_from_net(create_eagle3_net(drafter_config(tc, intermediate_size=64), tc, aux, seed=1), target, aux)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "longspark"])
+def test_zero_size_steps_defer_the_update_exactly(target, name):
+  """0-size steps hold their verified rows and the drafter's update reads them in one call before the next
+  proposal (or when the rows fill their buffer): the drafter then proposes what per-step updates make it propose
+  (same drafts, same q; their states differ only in rows past the committed length, junk either way), and while
+  rows are held its state is left untouched (the update really is skipped)."""
+  import functools
+  import jax
+  from longspec_jax.drafters.base import ProposeContext
+  from longspec_jax.inference import engine
+  from longspec_jax.sampling import SamplingParams
+  drafter = _learned_drafter(target, name)
+  k = 4
+  rule = DraftLengthRule((0, k), initial_rate=0.0, probe_every=1000, max_probe_every=1000)  # always 0
+  config, params, inputs = engine.prepare(target, _prompts(2, [9, 33]), 24, drafter=drafter, draft_length=rule,
+                                          eos_id=-1)
+  assert engine.defers_update(config)
+  step = jax.jit(engine.step, static_argnums=0)
+  step_at0 = jax.jit(lambda c, p, i, s: engine.step_at(c, p, i, s, 0)[0], static_argnums=0)
+  flush = jax.jit(lambda c, p, s: engine._flush_before(c, p, s, jnp.bool_(True)), static_argnums=0)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def proposal(c, p, i, s):
+    ctx = ProposeContext(tokens=s.tokens, num_tokens=s.num_tokens, sampling=SamplingParams.make(1.0))
+    greedy = c.drafter.propose(p.drafter, s.drafter_state, ctx, jax.random.key(0), k, False)[0]
+    return greedy, c.drafter.propose(p.drafter, s.drafter_state, ctx, jax.random.key(0), k, True)[1]
+
+  start = engine.prefill_and_start(config, params, inputs)
+  # Room for 2 (K+1) rows: a step flushes first when more than K+1 are held. 3 and K+2 steps: every row held;
+  # K+3: flushed, then its own row held; 3K+3: flushed at steps K+3 and 2K+5, then 3 rows held.
+  for steps, count in ((3, 3), (k + 2, k + 2), (k + 3, 1), (3 * k + 3, 3)):
+    held, per_step = start, start
+    for _ in range(steps):
+      held, per_step = step(config, params, inputs, held), step_at0(config, params, inputs, per_step)
+    assert int(held.size_hist[0]) == steps and held.tokens.tolist() == per_step.tokens.tolist()
+    assert held.deferred.count.tolist() == [count] * 2
+    if steps == count:  # nothing read yet
+      jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), held.drafter_state, start.drafter_state)
+    flushed = flush(config, params, held)
+    assert flushed.deferred.count.tolist() == [0, 0]
+    (drafts, q), (want_drafts, want_q) = (proposal(config, params, inputs, s) for s in (flushed, per_step))
+    assert drafts.tolist() == want_drafts.tolist()
+    np.testing.assert_allclose(q, want_q, rtol=1e-4, atol=1e-6)
+
+
+def test_deferred_updates_keep_greedy_exact(target):
+  """Drafters whose 0-size steps defer their update, under a rule that mixes sizes: output equals AR."""
+  prompts = _prompts(3, [5, 40, 21])
+  ar = generate(target, prompts, max_new_tokens=30, eos_id=-1).tokens
+  rule = DraftLengthRule((0, 1, 3), costs=(1.0, 2.0, 2.5), probe_every=2, probe_backoff=1.0)
+  for name in ("eagle3", "dflash", "longspark", "hybrid"):
+    drafter = (load_hybrid_parts(target) if name == "hybrid" else _learned_drafter(target, name))
+    out = generate(target, prompts, max_new_tokens=30, eos_id=-1, drafter=drafter, draft_length=rule)
+    assert out.tokens == ar, name
+    assert out.stats["size_share"][0] > 0.3, name
+
+
+def load_hybrid_parts(target):
+  """Prompt lookup + a tiny EAGLE-3: steps where every sequence took the lookup hold their rows too."""
+  from longspec_jax.drafters.hybrid import HybridDrafter
+  eagle = _learned_drafter(target, "eagle3")
+  return LoadedDrafter(HybridDrafter(PromptLookupDrafter(V), eagle.spec), eagle.params)
+
+
+def test_hybrid_lookup_steps_hold_their_rows(target):
+  """A hybrid step where every sequence drafted by lookup does not read the learned drafter's state: its committed
+  rows (several when drafts were accepted) are held for a later update, like a 0-size step's."""
+  import jax
+  from longspec_jax.inference import engine
+  rule = DraftLengthRule((0, 1, 3), costs=(1.0, 2.0, 2.5), probe_every=2, probe_backoff=1.0)
+  config, params, inputs = engine.prepare(target, _prompts(3, [5, 40, 21]), 30, drafter=load_hybrid_parts(target),
+                                          draft_length=rule, eos_id=-1)
+  step = jax.jit(engine.step, static_argnums=0)
+  state, held_on_drafting_steps = engine.prefill_and_start(config, params, inputs), 0
+  while not bool(jnp.all(state.done)):
+    new = step(config, params, inputs, state)
+    drafted = int(new.size_hist[0]) == int(state.size_hist[0])
+    grew = (new.deferred.count - state.deferred.count).tolist()
+    held_on_drafting_steps += drafted and min(grew) > 1 and grew == (new.num_tokens - state.num_tokens).tolist()
+    state = new
+  assert held_on_drafting_steps >= 2

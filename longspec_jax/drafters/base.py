@@ -69,7 +69,10 @@ class Drafter(Protocol):
   # For the per-step draft length (inference/draft_length.py), a spec may also define `draft_classes: int` with
   # `draft_class(ctx) -> [B] int32` (classes whose acceptance differs, known before proposing: prompt lookup's
   # matched n-gram length) and `proposal_cost_scale: tuple[float, ...]` (the proposal's cost per class relative to
-  # a learned drafter's pass, the last entry repeating; default (1.0,)).
+  # a learned drafter's pass, the last entry repeating; default (1.0,)). A scale of 0 also declares that the class's
+  # proposal reads no drafter state: a step whose active sequences all have such classes (or that drafts nothing)
+  # holds its committed rows, and `update` reads them in one call before the next proposal that reads the state
+  # (engine.DeferredRows); `update` must therefore accept any number of rows, all committed.
 
   def init_state(self, params, prefill: PrefillResult, max_len: int) -> Any: ...
 

@@ -3,8 +3,10 @@
 Per sequence and step, the n-gram match over the prompt and everything generated (prompt lookup's longest match,
 up to `max_ngram` tokens) proposes when it matched at least `min_match` tokens; otherwise the learned drafter
 (`learned=`: EAGLE-3 by default, or any drafter with a checkpoint; the shipped one or `drafter_dir`) proposes. When every sequence in the batch has a match, the learned
-drafter's proposal is skipped altogether (`lax.cond`): its state stays current through `update`, which runs after
-every step whichever part proposed. Drafters that catch up only in `propose` (catch_up_in_propose) always propose.
+drafter's proposal is skipped altogether (`lax.cond`), and with a draft-length rule so is its update: the engine
+holds the step's committed rows (its lookup classes declare a proposal cost of 0: the proposal reads no drafter
+state) and the learned drafter reads them in one update before it next proposes. Drafters that catch up only in
+`propose` (catch_up_in_propose) always propose.
 
 The match is recomputed on device from the token buffer each step (no host-side suffix structure, so no host
 round trip per step: it stays inside the engine's one `while_loop` on TPU as on CPU); its cost is one compare per
