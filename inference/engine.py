@@ -232,7 +232,7 @@ class EngineState:
   probe_wait: jax.Array  # [] idle steps before the next probe (draft_length rule; grows after failed probes)
   size_hist: jax.Array  # [n_sizes] steps at each of the rule's sizes ([1]: fixed K)
   class_counts: jax.Array  # [C, 4] what the steps observed per draft class (draft_length.step_counts, summed)
-  deferred: Any = None  # DeferredRows: verified rows of 0-size steps the drafter's update has not read yet
+  deferred: Any = None  # DeferredRows: committed rows the drafter's update has not read yet (draft_length rule)
 
 
 @flax.struct.dataclass

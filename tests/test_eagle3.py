@@ -163,7 +163,7 @@ def test_training_time_test_equals_inference_chains(target, eagle):
     net = nnx.merge(spec.graphdef, params["net"])
     h, cache, out = state.hidden, state.cache, []
     for j in range(steps):
-      out.append(spec.full_logits(params, net, h))
+      out.append(net.logits(h))
       o, cache = run_cached(net, spec._embed(params, teacher[:, j:j + 1]), h[:, None], (lens + j)[:, None],
                             cache, "extend")
       h = o[:, 0]
@@ -221,6 +221,20 @@ def test_sampling_matches_target_distribution(peaky_target):
   sp = SamplingParams.make(1.0)
   pvals = _chi2_pvalues(_sample(peaky_target, _eagle(peaky_target), 1.0, 0, 1.0, seed=11),
                         _exact_marginals(peaky_target, sp))
+  assert min(pvals) > 0.01 / N_POS, f"chi-square p-values {pvals}"
+
+
+def test_sampling_with_a_draft_vocabulary_matches_target_distribution(peaky_target):
+  """Drafts drawn among the draft vocabulary's logits only (q = 0 elsewhere), half the target's tokens: the output
+  still follows the target, and the drafts come from the draft vocabulary."""
+  tc = peaky_target.cfg
+  aux = default_aux_layers(tc.num_hidden_layers)
+  n = V // 2
+  ids = np.sort(np.random.default_rng(0).choice(V, n, replace=False))
+  net = create_eagle3_net(drafter_config(tc, **ARCH), tc, aux, draft_vocab=n, seed=1)
+  drafter = eagle3_from_net(net, peaky_target, aux, d2t=ids - np.arange(n))
+  sp = SamplingParams.make(1.0)
+  pvals = _chi2_pvalues(_sample(peaky_target, drafter, 1.0, 0, 1.0, seed=11), _exact_marginals(peaky_target, sp))
   assert min(pvals) > 0.01 / N_POS, f"chi-square p-values {pvals}"
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.attention import NEG_INF, causal_attention, extend_attention
+from longspec_jax.attention import causal_attention, extend_attention
 from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.drafters.registry import DrafterEntry
@@ -157,14 +157,24 @@ class Eagle3Drafter:
   def _embed(self, params, tokens):
     return params["embed"][tokens].astype(self.dtype)
 
-  def full_logits(self, params, net: Eagle3Net, h):
-    """Logits over the target vocabulary; a reduced draft vocabulary maps through d2t (other ids: -inf)."""
+  def draft_ids(self, params):
+    """The target id of each draft-vocabulary entry ([N]; N = V: the identity)."""
+    return jnp.arange(self.draft_vocab_size) + params["d2t"]
+
+  def _draft(self, params, net: Eagle3Net, h, sp, key, sample: bool):
+    """One draft per row from the output `h` [B, H], and (sampling) its q over the target vocabulary. Tokens outside
+    the draft vocabulary have q = 0 whatever the temperature, top-k or top-p (their logit is -inf), so the choice
+    among the N draft logits alone is the same draw at N/V of the cost (softmax, random bits)."""
     logits = net.logits(h)
-    if self.draft_vocab_size == self.vocab_size:
-      return logits
-    ids = jnp.arange(self.draft_vocab_size) + params["d2t"]
-    full = jnp.full(logits.shape[:-1] + (self.vocab_size,), NEG_INF, jnp.float32)
-    return full.at[..., ids].set(logits)
+    ids = self.draft_ids(params)
+    if not sample:
+      return ids[jnp.argmax(logits, axis=-1)].astype(jnp.int32), None
+    logq = processed_log_probs(logits, sp)
+    d = jax.random.categorical(key, logq, axis=-1)
+    q = jnp.exp(logq)
+    if self.draft_vocab_size != self.vocab_size:
+      q = jnp.zeros(q.shape[:-1] + (self.vocab_size,), q.dtype).at[..., ids].set(q)
+    return ids[d].astype(jnp.int32), q
 
   def init_state(self, params, prefill, max_len):
     net = self._net(params)
@@ -186,14 +196,9 @@ class Eagle3Drafter:
     row = ctx.num_tokens - 2  # the row whose output is `h`
     drafts, probs = [], []
     for i in range(num_draft):
-      logits = self.full_logits(params, net, h)
-      if sample:
-        logq = processed_log_probs(logits, ctx.sampling)
-        d = jax.random.categorical(keys[i], logq, axis=-1).astype(jnp.int32)
-        probs.append(jnp.exp(logq))
-      else:
-        d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      d, q = self._draft(params, net, h, ctx.sampling, keys[i], sample)
       drafts.append(d)
+      probs.append(q)
       if i + 1 < num_draft:
         out, chain_kv = run_chain_row(net, self._embed(params, d[:, None]), h[:, None], (row + 1 + i)[:, None],
                                       state.cache, chain_kv, self.sharpdraft)

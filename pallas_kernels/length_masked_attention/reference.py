@@ -22,25 +22,28 @@ def sharpdraft_rho(n_visible, alpha, n0):
 def key_masked_attention(q, k, v, key_mask, scale):
   """q [B,Tq,Hq,D], k/v [B,S,Hkv,D], key_mask [B,Hkv,S] bool, scale [B,Hq] -> (out [B,Tq,Hq,D], lse [B,Tq,Hq]).
 
-  Rows with no visible key return out = 0 and lse = -inf.
+  Rows with no visible key return out = 0 and lse = -inf. The few query rows are put in [B, Hkv, G*Tq, D] order
+  first, so both products come out in the order the softmax reads ([B, Hkv, rows, S]); with the rows in Tq-major
+  order XLA:CPU transposed (copied) the [B, Hkv, G, Tq, S] logits twice per call, each copy G*Tq rows of the
+  whole key range.
   """
   b, tq, hq, d = q.shape
   hkv = k.shape[2]
   g = hq // hkv
-  qg = q.reshape(b, tq, hkv, g, d)
-  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-  logits = logits * scale.reshape(b, hkv, g)[..., None, None]
-  mask = key_mask[:, :, None, None, :]
+  rows = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)  # row = g * Tq + t
+  logits = jnp.einsum("bkrd,bskd->bkrs", rows, k, preferred_element_type=jnp.float32)
+  logits = (logits.reshape(b, hkv, g, tq, -1) * scale.reshape(b, hkv, g)[..., None, None]).reshape(logits.shape)
+  mask = key_mask[:, :, None, :]
   m = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.where(mask, jnp.exp(logits - m), 0.0)
-  l = jnp.sum(p, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
-  l_t = jnp.moveaxis(l, -1, 1)  # [B, Tq, Hkv, G]
-  nonempty = l_t > 0
-  out = jnp.where(nonempty[..., None], out / jnp.where(nonempty, l_t, 1.0)[..., None], 0.0)
-  lse = jnp.where(nonempty, jnp.moveaxis(m[..., 0], -1, 1) + jnp.log(jnp.where(nonempty, l_t, 1.0)), -jnp.inf)
-  return out.reshape(b, tq, hq, d).astype(q.dtype), lse.reshape(b, tq, hq)
+  l = jnp.sum(p, axis=-1)  # [B, Hkv, rows]
+  out = jnp.einsum("bkrs,bskd->bkrd", p, v.astype(jnp.float32))
+  nonempty = l > 0
+  out = jnp.where(nonempty[..., None], out / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
+  lse = jnp.where(nonempty, m[..., 0] + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+  to_q_order = lambda x: jnp.moveaxis(x.reshape(b, hkv, g, tq, *x.shape[3:]), 3, 1).reshape(b, tq, hq, *x.shape[3:])
+  return to_q_order(out).astype(q.dtype), to_q_order(lse)
 
 
 def select_chunks(q, k, lengths, *, chunk_size: int, top_k: int, window_chunks: int, chunk_scores=None):
