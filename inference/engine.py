@@ -378,8 +378,7 @@ def _apply_rows(config: GenerationConfig, params: GenerationParams, state: Engin
   if defer is None:
     return new.replace(drafter_state=update(new.drafter_state))
   return new.replace(drafter_state=_apply_if(~defer, update, new.drafter_state),
-                     deferred=jax.lax.cond(defer, lambda held: _hold_rows(held, verify), lambda held: held,
-                                           new.deferred))
+                     deferred=_apply_if(defer, lambda held: _hold_rows(held, verify), new.deferred))
 
 
 def _apply_if(pred, fn, operand):
