@@ -1,3 +1,4 @@
+import gc
 import os
 
 # Tests run on the host CPU; keep XLA from grabbing every core thread-pool wise for many tiny programs.
@@ -10,6 +11,16 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """Drop JAX's compiled programs after each test module. XLA:CPU maps every executable's code into its own memory
+  regions, and the caches keep them all alive: a long-lived xdist worker reached 64,297 mappings against the
+  kernel's vm.max_map_count of 65,530, and past it a compile segfaults (CI crashed that way twice)."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope="session")
