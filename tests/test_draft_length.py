@@ -3,6 +3,7 @@ picks counted (never timed) for drafters that are always right and always wrong,
 0-size steps for every kind of drafter state, and sampling that still follows the target."""
 
 import dataclasses
+import json
 from typing import Any
 
 import jax.numpy as jnp
@@ -376,3 +377,39 @@ def test_hybrid_lookup_steps_hold_their_rows(target):
     held_on_drafting_steps += drafted and min(grew) > 1 and grew == (new.num_tokens - state.num_tokens).tolist()
     state = new
   assert held_on_drafting_steps >= 2
+
+
+def test_fixed_vs_adaptive_plot_pairs_cells_by_method(tmp_path, capsys):
+  """scripts/plot_draft_length.py pairs each method's K-fixed cell with its rule's cell at the same context, takes
+  the first folder that has a cell, skips AR, peers, other temperatures and incomplete cells, and names a missing
+  folder."""
+  pytest.importorskip("matplotlib")
+  from scripts.plot_draft_length import main
+
+  def cell(method, ctx, speedup, temperature=0.0, complete=True):
+    return {"method": method, "context": ctx, "temperature": temperature, "complete": complete,
+            "speedup": speedup, "speedup_ci": [speedup - 0.1, speedup + 0.1]}
+
+  def suite(name, cells):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "results.json").write_text(json.dumps({"cells": cells}))
+    return str(d)
+
+  fixed = suite("fixed", [cell("ar", 512, 1.0), cell("eagle3:num_draft=7", 512, 0.61),
+                          cell("eagle3:num_draft=7", 4096, 0.52), cell("llama.cpp-ar", 512, 2.4),
+                          cell("eagle3:num_draft=7,draft_length=r.json", 512, 9.0)])
+  adaptive_a = suite("adaptive_a", [cell("eagle3:num_draft=7,draft_length=r.json", 512, 1.03),
+                                    cell("eagle3:num_draft=7,draft_length=r.json", 4096, 7.0, complete=False),
+                                    cell("eagle3:num_draft=7,draft_length=r.json", 4096, 8.0, temperature=1.0)])
+  adaptive_b = suite("adaptive_b", [cell("eagle3:num_draft=7,draft_length=r.json", 512, 5.0),
+                                    cell("eagle3:num_draft=7,draft_length=r.json", 4096, 1.07)])
+  png = tmp_path / "plot.png"
+  main(["--fixed", fixed, "--adaptive", adaptive_a, adaptive_b, "--out", str(png)])
+  table = capsys.readouterr().out
+  assert ("| eagle3:num_draft=7 | 0.61 [0.51, 0.71] / 1.03 [0.93, 1.13] | 0.52 [0.42, 0.62] / 1.07 [0.97, 1.17] |"
+          in table), table
+  assert "llama.cpp" not in table and "| ar |" not in table
+  assert png.stat().st_size > 0
+  with pytest.raises(SystemExit, match="missing/results.json not found"):
+    main(["--fixed", str(tmp_path / "missing"), "--adaptive", adaptive_a, "--out", str(png)])
