@@ -63,9 +63,8 @@ def main(argv: list[str] | None = None) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from matplotlib.ticker import NullLocator
 
-  from longspec_jax.inference.benchmark.report import save_png
+  from longspec_jax.inference.benchmark.report import context_axis, save_png
 
   fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3.6), sharey=True, squeeze=False)
   for ax, m in zip(axes[0], methods):
@@ -79,9 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                       color=color)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.axhline(0.95, color="gray", lw=0.8, ls=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(contexts, [f"{c // 1024}K" if c % 1024 == 0 and c > 512 else str(c) for c in contexts], fontsize=7)
-    ax.xaxis.set_minor_locator(NullLocator())
+    context_axis(ax, contexts, fontsize=7)
     ax.set_title(re.sub(r":.*", "", m) + f" (K={m.split('num_draft=')[1]})" if "num_draft=" in m else m,
                  fontsize=9)
     ax.set_xlabel("context (tokens)", fontsize=8)

@@ -146,9 +146,21 @@ def markdown(results: dict, plots: tuple[str, ...] = PLOTS) -> str:
 def save_png(fig, path: Path) -> None:
   """Save a matplotlib figure as a 128-colour palette PNG: a quarter of the RGBA file's bytes for line plots with
   CI bands, with no visible change (committed result folders carry many of them)."""
+  import io
+
   from PIL import Image  # matplotlib depends on pillow
-  fig.savefig(path, dpi=110)
-  Image.open(path).convert("RGB").quantize(colors=128, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=110)
+  Image.open(buf).convert("RGB").quantize(colors=128, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
+
+
+def context_axis(ax, contexts, fontsize=None) -> None:
+  """x = context on a log2 scale, ticked at the contexts run (4096 -> "4K"; 512 and 8000 as numbers)."""
+  from matplotlib.ticker import NullLocator
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else str(c) for c in contexts],
+                fontsize=fontsize)
+  ax.xaxis.set_minor_locator(NullLocator())
 
 
 def plot(results: dict, out: Path) -> list[Path]:
@@ -156,7 +168,6 @@ def plot(results: dict, out: Path) -> list[Path]:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from matplotlib.ticker import NullLocator
 
   cells = results["cells"]
   methods = list(dict.fromkeys(c["method"] for c in cells))
@@ -187,9 +198,7 @@ def plot(results: dict, out: Path) -> list[Path]:
           ax.fill_between(x, [c[ci_key][0] for c in cs], [c[ci_key][1] for c in cs], color=colors[m], alpha=0.15)
     if name == "speedup_vs_context":
       ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else str(c) for c in contexts])
-    ax.xaxis.set_minor_locator(NullLocator())
+    context_axis(ax, contexts)
     ax.set_yscale(yscale)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel(ylabel)
