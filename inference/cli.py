@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from longspec_jax.argtypes import HelpFormatter, add_command, nonneg_float, nonneg_int, positive_int, unit_float
+from longspec_jax.argtypes import (HelpFormatter, add_command, ascending_lengths, nonneg_float, nonneg_int,
+                                   positive_int, unit_float)
 from longspec_jax.compile_cache import ENV_VAR as COMPILE_CACHE_ENV, enable_compile_cache
 from longspec_jax.targets import TARGET_DTYPES
 
@@ -374,25 +375,37 @@ def cmd_calibrate_draft_length(a) -> int:
   model, tok, model_dir = _load_target(a)
   bos = model.cfg.bos_token_id
   text_ids = encode_prompt(tok, text, None)
-  ids = encode_prompt(tok, text, bos)[:a.max_prompt_tokens]
+  all_ids = encode_prompt(tok, text, bos)
+  ids = all_ids[:a.max_prompt_tokens]
+  if a.cost_contexts and max(a.cost_contexts) > len(all_ids):
+    raise ValueError(f"--cost-contexts {max(a.cost_contexts)} is longer than {a.prompt_file} ({len(all_ids)} "
+                     "tokens)")
   ends = spread_ends(len(text_ids), len(ids) - (bos is not None), a.prior_prompts)
   prior_prompts = [prompt_ids(text_ids, e, len(ids), bos) for e in ends]
+  cost_ids = all_ids[:max(a.cost_contexts)] if a.cost_contexts else ids
   drafter = load_drafter(a.method, model, a.drafter)
   sizes = default_sizes(resolve_num_draft(drafter.spec, a.num_draft))
-  log(f"timing {a.steps} steps at each size {list(sizes)} and as AR, {a.repeats} repeats, prompt {len(ids)} tokens; "
-      f"then acceptance per draft class over {a.new_tokens} greedy tokens on each of {len(prior_prompts)} prompts")
-  rule, ar_ms, observed = calibrate_draft_length(model, drafter, ids, sizes, steps=a.steps, repeats=a.repeats,
-                                                 new_tokens=a.new_tokens, prior_prompts=prior_prompts)
+  timed_at = a.cost_contexts or [len(ids)]
+  log(f"timing {a.steps} steps at each size {list(sizes)} and as AR, {a.repeats} repeats, prompts of {timed_at} "
+      f"tokens; then acceptance per draft class over {a.new_tokens} greedy tokens on each of {len(prior_prompts)} "
+      f"prompts of {len(ids)}")
+  rule, ar_ms, observed = calibrate_draft_length(model, drafter, cost_ids, sizes, steps=a.steps, repeats=a.repeats,
+                                                 new_tokens=a.new_tokens, prior_prompts=prior_prompts,
+                                                 cost_lengths=a.cost_contexts)
   out = {"rule": rule.to_json(),
          "measured": {"method": a.method, "drafter": a.drafter, "model": str(a.model or model_dir.name),
-                      "prompt_file": a.prompt_file, "prompt_tokens": len(ids), "steps": a.steps,
-                      "repeats": a.repeats, "ar_step_ms": round(ar_ms, 3), "new_tokens": a.new_tokens,
+                      "prompt_file": a.prompt_file, "prompt_tokens": len(ids), "cost_prompt_tokens": timed_at,
+                      "steps": a.steps, "repeats": a.repeats,
+                      "ar_step_ms": ar_ms if a.cost_contexts else ar_ms[0], "new_tokens": a.new_tokens,
                       "prior_prompt_ends": ends,
                       "observed_rates_per_class": observed, "machine": machine_info()}}
   Path(a.out).parent.mkdir(parents=True, exist_ok=True)
   Path(a.out).write_text(json.dumps(out, indent=2))
   print(json.dumps(out["rule"]))
-  log(f"wrote {a.out}: costs per size {dict(zip(sizes, rule.costs))} (AR step {ar_ms:.2f} ms), (first, next) "
+  per_context = rule.costs if rule.cost_contexts else (rule.costs,)
+  costs = "; ".join(f"{dict(zip(sizes, row))} at cache length {n} (AR step {ms:.2f} ms)"
+                    for row, n, ms in zip(per_context, rule.cost_contexts or ["-"], ar_ms))
+  log(f"wrote {a.out}: costs per size {costs}, (first, next) "
       f"acceptance per draft class {observed}; "
       f"use it with --draft-length {a.out}")
   return 0
@@ -606,10 +619,15 @@ def build_parser() -> argparse.ArgumentParser:
   cd.add_argument("--prompt-file", required=True, help="held-out text (not the bench prompts) to time on")
   cd.add_argument("--max-prompt-tokens", type=positive_int, default=1024,
                   help="context the steps run at: the first N tokens of the file")
+  cd.add_argument("--cost-contexts", metavar="N,N,...", type=ascending_lengths,
+                  help="time the step costs at each of these prompt lengths (the first N tokens of the file; "
+                       "ascending) instead of at --max-prompt-tokens: the rule then interpolates its costs at each "
+                       "call's cache length")
   cd.add_argument("--num-draft", type=positive_int, help="K, the largest size (default: the drafter's)")
   cd.add_argument("--drafter", metavar="DIR", help="drafter checkpoint directory (default: the shipped one)")
   cd.add_argument("--steps", type=positive_int, default=16, help="steps timed per size")
-  cd.add_argument("--repeats", type=positive_int, default=3, help="timed runs per size (median)")
+  cd.add_argument("--repeats", type=positive_int, default=5,
+                  help="timed runs per size, each after an AR run (median of the ratios)")
   cd.add_argument("--new-tokens", type=positive_int, default=256,
                   help="greedy tokens generated at K per prompt to measure the acceptance per draft class (the rule's "
                        "priors)")

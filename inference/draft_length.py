@@ -28,7 +28,11 @@ and every size is an exact verification (greedy or rejection sampling), so the o
 target's whatever the sizes.
 
 The default costs are round numbers from this CPU's SmolLM2-135M suite runs (a 9-row verify pass ~1.8 decode
-steps, a learned drafter's proposal ~0.4); calibrated costs replace them per drafter and machine.
+steps, a learned drafter's proposal ~0.4); calibrated costs replace them per drafter and machine. A verify pass's
+attention grows with the context faster, relative to an AR step, than its weight products do (on an AMD EPYC x2, a
+K = 7 step of prompt lookup costs about 1.9 AR steps at 4K and 2.8 at 8000), so calibrated costs may be given at
+several cache lengths (`cost_contexts`); `at_context` interpolates them at the call's cache length, which
+`engine.prepare` knows on the host (the cache is static), so the compiled step sees one row of costs.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ import numpy as np
 class DraftLengthRule:
   """Static (hashable): part of the engine's GenerationConfig."""
   sizes: tuple[int, ...]  # ascending, distinct, sizes[-1] = K; 0 allowed (a decode step)
-  costs: tuple[float, ...] = ()  # measured step cost per size, in AR steps; () = the model below
+  # measured step cost per size, in AR steps; () = the model below. With cost_contexts: one such row per context
+  costs: tuple[float, ...] | tuple[tuple[float, ...], ...] = ()
+  cost_contexts: tuple[int, ...] = ()  # ascending cache lengths the rows of `costs` were measured at
   draft_cost: float = 0.4  # (no costs) a proposal's cost, in AR steps
   row_cost: float = 0.1  # (no costs) each verified draft row's extra cost, in AR steps
   initial_rate: float = 0.5  # both rates (first draft, continuation) before any step verified drafts
@@ -63,8 +69,15 @@ class DraftLengthRule:
     problems = []
     if not s or list(s) != sorted(set(s)) or s[0] < 0 or s[-1] < 1:
       problems.append(f"sizes must be ascending distinct integers >= 0 with a largest >= 1, got {list(s)}")
-    if self.costs and (len(self.costs) != len(s) or min(self.costs) <= 0):
-      problems.append(f"costs must be one positive number per size ({len(s)}), got {list(self.costs)}")
+    rows = self.costs if self.cost_contexts else (self.costs,) if self.costs else ()
+    if self.cost_contexts and (list(self.cost_contexts) != sorted(set(self.cost_contexts))
+                               or self.cost_contexts[0] < 1 or len(self.costs) != len(self.cost_contexts)):
+      problems.append(f"cost_contexts must be ascending distinct lengths >= 1, one per row of costs "
+                      f"({len(self.costs)} rows), got {list(self.cost_contexts)}")
+    elif any(not isinstance(r, tuple) or len(r) != len(s) or any(not isinstance(c, (int, float)) for c in r)
+             or min(r) <= 0 for r in rows):
+      per = " per context" if self.cost_contexts else ""
+      problems.append(f"costs must be one positive number per size ({len(s)}){per}, got {self.costs}")
     if self.draft_cost < 0 or self.row_cost < 0:
       problems.append(f"draft_cost and row_cost must be >= 0, got {self.draft_cost}, {self.row_cost}")
     if not 0 <= self.initial_rate <= 1 or not 0 <= self.decay < 1:
@@ -81,9 +94,22 @@ class DraftLengthRule:
   def max_size(self) -> int:
     return self.sizes[-1]
 
+  def at_context(self, cache_len: int) -> "DraftLengthRule":
+    """The rule with one row of costs for a cache of `cache_len` positions: linear between the two measured
+    contexts around it, the nearest row outside them (the cost ratios level off as attention comes to dominate
+    both passes; extrapolating a ratio is not safe)."""
+    if not self.cost_contexts:
+      return self
+    ctx = np.asarray(self.cost_contexts, np.float64)
+    table = np.asarray(self.costs, np.float64)  # [contexts, sizes]
+    row = [float(np.interp(cache_len, ctx, table[:, j])) for j in range(table.shape[1])]
+    return dataclasses.replace(self, costs=tuple(round(c, 4) for c in row), cost_contexts=())
+
   def step_costs(self, proposal_scale=1.0):
     """C(s) per size, in AR steps: the measured costs, else the model with the proposal cost scaled by
     `proposal_scale` (a float, or a traced [] array inside the loop)."""
+    if self.cost_contexts:
+      raise ValueError("a rule with costs per context needs one context first: rule.at_context(cache_len)")
     if self.costs:
       return jnp.asarray(self.costs, jnp.float32)
     s = jnp.asarray(self.sizes, jnp.float32)
@@ -121,8 +147,10 @@ def read_draft_length(value: str) -> "str | DraftLengthRule":
 
 
 def default_sizes(num_draft: int) -> tuple[int, ...]:
-  """0, 1, 3 and K (those below K)."""
-  return tuple(sorted({0, 1, 3, num_draft} & set(range(num_draft + 1))))
+  """0, 1, 3 and K (those below K), and 7, 15, ... up to K / 2: with a long K (prompt lookup at K = 15 accepts
+  ~10 drafts after a long match and ~2 after a short one) the sizes stay about a factor 2 apart."""
+  extra = {2 ** i - 1 for i in range(3, num_draft.bit_length() + 1) if 2 ** i - 1 <= num_draft / 2}
+  return tuple(sorted(({0, 1, 3, num_draft} | extra) & set(range(num_draft + 1))))
 
 
 def expected_tokens(rates, sizes) -> jax.Array:
@@ -185,4 +213,4 @@ def update_rates(rule: DraftLengthRule, rates, counts) -> jax.Array:
 def observed_rates(counts) -> list:
   """(a, b) per class from accumulated step_counts [C, 4] (None where never tried): calibration's priors."""
   c = np.asarray(counts, np.float64)
-  return [[round(h / t, 4) if t else None for h, t in ((row[0], row[1]), (row[2], row[3]))] for row in c]
+  return [[round(float(h / t), 4) if t else None for h, t in ((row[0], row[1]), (row[2], row[3]))] for row in c]

@@ -185,6 +185,8 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, t
     rule = resolve_draft_length(draft_length, drafter.spec, num_draft)
     k = rule.max_size if rule is not None else resolve_num_draft(drafter.spec, num_draft)
     t_bucket, max_len = sizes(cfg, longest, max_new_tokens, k)
+    if rule is not None:
+      rule = rule.at_context(max_len)  # the costs at this call's cache length
     config = GenerationConfig(graphdef, max_len, drafter.spec, k, sample=temperature > 0, draft_length=rule)
     params = GenerationParams(target_params, drafter.params)
   tokens, lens = pad_prompts(prompts, cfg.pad_token_id or 0, t_bucket)

@@ -51,6 +51,14 @@ def int_list(text: str) -> tuple[int, ...]:
   return tuple(nonneg_int(p.strip()) for p in text.split(",") if p.strip())
 
 
+def ascending_lengths(text: str) -> list[int]:
+  """Comma-separated ascending distinct integers >= 1 (context lengths)."""
+  values = [positive_int(p.strip()) for p in text.split(",") if p.strip()]
+  if not values or values != sorted(set(values)):
+    raise argparse.ArgumentTypeError(f"must be ascending distinct positive integers, got {text!r}")
+  return values
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
   """Descriptions and epilogs kept as written; a flag's help ends with its default when it has a meaningful one."""
 

@@ -112,6 +112,32 @@ def test_calibrate_draft_length_then_generate_with_it(model_dir, tmp_path, capsy
   assert e.value.code == 2 and "invalid choice: 'ar'" in capsys.readouterr().err
 
 
+def test_calibrate_draft_length_costs_per_context(model_dir, tmp_path, capsys):
+  """--cost-contexts times the costs at each prompt length: one row per cache length, which generate resolves at
+  its own cache length; lengths out of order or past the file are refused before anything is timed."""
+  prompt = tmp_path / "held_out.py"
+  prompt.write_text(TEXT[:3000])
+  rule = tmp_path / "rule.json"
+  args = ["calibrate-draft-length", "--model", str(model_dir), "--method", "prompt-lookup", "--prompt-file",
+          str(prompt), "--max-prompt-tokens", "100", "--num-draft", "2", "--steps", "2", "--repeats", "1",
+          "--new-tokens", "4", "--prior-prompts", "1", "--out", str(rule), "--quiet"]
+  assert main([*args, "--cost-contexts", "60,300"]) == 0
+  saved = json.loads(rule.read_text())["rule"]
+  assert saved["sizes"] == [0, 1, 2] and len(saved["costs"]) == 2 and all(len(r) == 3 for r in saved["costs"])
+  assert saved["cost_contexts"][0] < saved["cost_contexts"][1] and min(min(r) for r in saved["costs"]) > 0
+  out = tmp_path / "g.json"
+  assert main(["generate", "--model", str(model_dir), "--prompt", TEXT[:400], "--max-new-tokens", "12", "--method",
+               "prompt-lookup", "--num-draft", "2", "--draft-length", str(rule), "--compare-ar", "--quiet", "--json",
+               str(out)]) == 0
+  assert json.loads(out.read_text())["exact_match_ar"] is True
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    main([*args, "--cost-contexts", "300,60"])
+  assert e.value.code == 2 and "must be ascending distinct positive integers" in capsys.readouterr().err
+  assert main([*args, "--cost-contexts", "60,100000"]) == 2
+  assert "--cost-contexts 100000 is longer than" in capsys.readouterr().err
+
+
 def test_generate_binary_prompt_file(model_dir, tmp_path, capsys):
   binary = tmp_path / "blob.bin"
   binary.write_bytes(bytes(range(256)) * 4)

@@ -132,6 +132,8 @@ def test_rates_by_class_by_hand():
   counts, new = after(3, [0, 3, 0, 0], [False, True, False, False], [1, 1, 2, 2])
   np.testing.assert_allclose(new, [[0.5, 0.5], [0.6, 0.6], [0.5, 0.5]], rtol=1e-6)
   assert default_sizes(8) == (0, 1, 3, 8) and default_sizes(2) == (0, 1, 2) and default_sizes(1) == (0, 1)
+  assert default_sizes(15) == (0, 1, 3, 7, 15) and default_sizes(16) == (0, 1, 3, 7, 16)
+  assert default_sizes(31) == (0, 1, 3, 7, 15, 31) and default_sizes(7) == (0, 1, 3, 7)
   for bad in (dict(sizes=()), dict(sizes=(3, 1)), dict(sizes=(0,)), dict(sizes=(0, 2), decay=1.0),
               dict(sizes=(0, 2), draft_cost=-1.0), dict(sizes=(0, 2), probe_every=0),
               dict(sizes=(0, 2), prior_rates=((0.5, 1.5),))):
@@ -240,6 +242,35 @@ def test_bad_draft_length(target):
     generate(target, [[3, 4, 5]], drafter=lookup, num_draft=4, draft_length=DraftLengthRule((0, 2)))
   with pytest.raises(ValueError, match="prior rates for 2 draft classes; the drafter has 4"):
     generate(target, [[3, 4, 5]], drafter=lookup, draft_length=DraftLengthRule((0, 2), prior_rates=((0.5, 0.5),) * 2))
+
+
+def test_costs_per_context_by_hand(target):
+  """A rule with costs at several cache lengths: linear between them, the nearest row outside, one row per call
+  (engine.prepare resolves it at the call's cache length), a JSON round trip, and clear errors."""
+  rule = DraftLengthRule((0, 1, 4), costs=((1.0, 1.2, 1.6), (1.0, 1.6, 3.0)), cost_contexts=(1000, 3000))
+  assert rule.at_context(2000).costs == (1.0, 1.4, 2.3) and rule.at_context(2000).cost_contexts == ()
+  assert rule.at_context(500).costs == (1.0, 1.2, 1.6) and rule.at_context(9000).costs == (1.0, 1.6, 3.0)
+  assert DraftLengthRule.from_json(json.loads(json.dumps(rule.to_json()))) == rule
+  flat = DraftLengthRule((0, 1, 4), costs=(1.0, 1.2, 1.6))
+  assert flat.at_context(123) is flat
+  with pytest.raises(ValueError, match="needs one context first"):
+    rule.step_costs()
+  with pytest.raises(ValueError, match="one per row of costs"):
+    DraftLengthRule((0, 1, 4), costs=((1.0, 1.2, 1.6),), cost_contexts=(1000, 3000))
+  with pytest.raises(ValueError, match="ascending distinct"):
+    DraftLengthRule((0, 1, 4), costs=((1.0, 1.2, 1.6),) * 2, cost_contexts=(3000, 1000))
+  with pytest.raises(ValueError, match="one positive number per size \\(3\\) per context"):
+    DraftLengthRule((0, 1, 4), costs=(1.0, 1.2), cost_contexts=(1000, 3000))  # flat costs, not rows
+  with pytest.raises(ValueError, match="one positive number per size \\(3\\), got"):
+    DraftLengthRule((0, 1, 4), costs=(1.0, 1.2))
+  from longspec_jax.inference import engine
+  lookup = LoadedDrafter(PromptLookupDrafter(V))
+  config, _, _ = engine.prepare(target, _prompts(1, [40]), 16, drafter=lookup, draft_length=rule, eos_id=-1)
+  assert config.draft_length == rule.at_context(config.max_len) and config.draft_length.cost_contexts == ()
+  # so the choice follows the context: a = 0.5, b = 0.9 gives E = 1, 1.5, 2.72 per size; K pays where a K-step
+  # costs 1.6 (1.70 tokens per AR step) and not where it costs 3.0 (0.91; size 1: 0.94; size 0: 1)
+  cheap, dear = rule.at_context(1000), rule.at_context(3000)
+  assert choose(cheap, 0.5, cont=0.9) == 2 and choose(dear, 0.5, cont=0.9) == 0
 
 
 def _cache_copies(target, drafter, draft_length, cache_shape):

@@ -176,28 +176,42 @@ steps_at_program = jax.jit(_steps_at, static_argnums=(0, 4, 5), compiler_options
 
 def calibrate_draft_length(model, drafter, prompt_ids: list[int], sizes: tuple[int, ...], steps: int = 16,
                            repeats: int = 3, timer: Timer | None = None, new_tokens: int = 256,
-                           prior_prompts: list[list[int]] | None = None):
-  """(rule, AR step ms, observed rates): a DraftLengthRule over `sizes` (largest = K) whose costs and prior
-  rates are measured here. Costs: `steps` engine steps at each fixed size from `prompt_ids`' prefill, timed
-  (median of `repeats`), over the same number of AR steps. Priors: the (first draft, continuation) acceptance
-  per draft class over a greedy generation of `new_tokens` per prompt of `prior_prompts` (one batch; default
-  `prompt_ids` alone) verifying K drafts every step; a class never seen keeps the rule's initial_rate. One
-  prompt's rates vary a lot with what the text is doing there, hence several."""
+                           prior_prompts: list[list[int]] | None = None, cost_lengths: list[int] | None = None):
+  """(rule, AR step ms per cost context, observed rates): a DraftLengthRule over `sizes` (largest = K) whose costs
+  and prior rates are measured here. Costs: `steps` engine steps at each fixed size from the prefill of
+  `prompt_ids` (or of its first n tokens for each n of `cost_lengths`: then one row of costs per cache length,
+  the rule's cost_contexts), over the same number of AR steps timed just before (median of `repeats` such
+  ratios). Priors: the (first
+  draft, continuation) acceptance per draft class over a greedy generation of `new_tokens` per prompt of
+  `prior_prompts` (one batch; default `prompt_ids` alone) verifying K drafts every step; a class never seen keeps
+  the rule's initial_rate. One prompt's rates vary a lot with what the text is doing there, hence several."""
   from longspec_jax.inference.draft_length import DraftLengthRule, observed_rates
   timer = timer or Timer()
   k = max(sizes)
   call = dict(max_new_tokens=steps * (k + 1) + 1, eos_id=-1)
-  config, params, inputs = engine.prepare(model, [prompt_ids], drafter=drafter, num_draft=k, **call)
-  ar = engine.prepare(model, [prompt_ids], **call)
-  per_step = {}
-  for name, (c, p, i), wanted in (("ar", ar, (0,)), ("method", (config, params, inputs), sizes)):
-    state = jax.block_until_ready(engine.prefill_program(c, p, i))
-    for size in wanted:
-      _, secs = timer.timed(("steps_at", c, size, steps),
-                            lambda: steps_at_program(c, p, i, state, size, steps), repeats)
-      per_step[name, size] = secs / steps
-  ar_step = per_step["ar", 0]
-  costs = tuple(round(per_step["method", s] / ar_step, 4) for s in sizes)
+  setups = [(engine.prepare(model, [prompt_ids[:n]], drafter=drafter, num_draft=k, **call),
+             engine.prepare(model, [prompt_ids[:n]], **call)) for n in cost_lengths or [len(prompt_ids)]]
+  contexts = [method[0].max_len for method, _ in setups]
+  if contexts != sorted(set(contexts)):
+    raise ValueError(f"cost lengths {cost_lengths} give cache lengths {contexts}: give ascending lengths far enough "
+                     "apart to land in distinct cache buckets")
+  cost_rows, ar_ms = [], []
+  for (config, params, inputs), (ac, ap, ai) in setups:
+    # Each size's run is paired with an AR run just before it and the cost is the median of the pairs' ratios:
+    # load on a shared machine drifts over seconds, and timing all sizes after AR let it bias whole rows.
+    method_state = jax.block_until_ready(engine.prefill_program(config, params, inputs))
+    ar_state = jax.block_until_ready(engine.prefill_program(ac, ap, ai))
+    run_ar = lambda: timer.timed(("steps_at", ac, 0, steps), lambda: steps_at_program(ac, ap, ai, ar_state, 0,
+                                                                                       steps), 1)[1]
+    ratios, ar_secs = {size: [] for size in sizes}, []
+    for _ in range(repeats):
+      for size in sizes:
+        ar_secs.append(run_ar())
+        _, secs = timer.timed(("steps_at", config, size, steps),
+                              lambda: steps_at_program(config, params, inputs, method_state, size, steps), 1)
+        ratios[size].append(secs / ar_secs[-1])
+    cost_rows.append(tuple(round(statistics.median(ratios[s]), 4) for s in sizes))
+    ar_ms.append(round(1000 * statistics.median(ar_secs) / steps, 3))
   always_k = DraftLengthRule((k,))  # counts per class while verifying K drafts every step
   c, p, i = engine.prepare(model, prior_prompts or [prompt_ids], new_tokens, drafter=drafter,
                            draft_length=always_k, eos_id=-1)
@@ -205,4 +219,7 @@ def calibrate_draft_length(model, drafter, prompt_ids: list[int], sizes: tuple[i
   observed = observed_rates(state.class_counts)
   default = DraftLengthRule(tuple(sizes)).initial_rate
   priors = tuple(tuple(default if x is None else x for x in row) for row in observed)
-  return DraftLengthRule(tuple(sizes), costs=costs, prior_rates=priors), 1000 * ar_step, observed
+  if cost_lengths is None:
+    return DraftLengthRule(tuple(sizes), costs=cost_rows[0], prior_rates=priors), ar_ms, observed
+  rule = DraftLengthRule(tuple(sizes), costs=tuple(cost_rows), cost_contexts=tuple(contexts), prior_rates=priors)
+  return rule, ar_ms, observed
