@@ -28,11 +28,11 @@ and every size is an exact verification (greedy or rejection sampling), so the o
 target's whatever the sizes.
 
 The default costs are round numbers from this CPU's SmolLM2-135M suite runs (a 9-row verify pass ~1.8 decode
-steps, a learned drafter's proposal ~0.4); calibrated costs replace them per drafter and machine. A verify pass's
-attention grows with the context faster, relative to an AR step, than its weight products do (on an AMD EPYC x2, a
-K = 7 step of prompt lookup costs about 1.9 AR steps at 4K and 2.8 at 8000), so calibrated costs may be given at
-several cache lengths (`cost_contexts`); `at_context` interpolates them at the call's cache length, which
-`engine.prepare` knows on the host (the cache is static), so the compiled step sees one row of costs.
+steps, a learned drafter's proposal ~0.4); calibrated costs replace them per drafter and machine. A step's cost
+relative to an AR step changes with the context (on an AMD EPYC x2, a K = 15 step of prompt lookup costs 2.4 AR
+steps at a 1408-position cache, 2.9 at 4608 and 3.4 at 9216), so calibrated costs may be given at several cache
+lengths (`cost_contexts`); `at_context` interpolates them at the call's cache length, which `engine.prepare` knows
+on the host (the cache is static), so the compiled step sees one row of costs.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class DraftLengthRule:
 
   def at_context(self, cache_len: int) -> "DraftLengthRule":
     """The rule with one row of costs for a cache of `cache_len` positions: linear between the two measured
-    contexts around it, the nearest row outside them (the cost ratios level off as attention comes to dominate
-    both passes; extrapolating a ratio is not safe)."""
+    contexts around it, the nearest row outside them (a ratio of two costs that both grow with the context is not
+    safe to extrapolate)."""
     if not self.cost_contexts:
       return self
     ctx = np.asarray(self.cost_contexts, np.float64)

@@ -181,10 +181,10 @@ def calibrate_draft_length(model, drafter, prompt_ids: list[int], sizes: tuple[i
   and prior rates are measured here. Costs: `steps` engine steps at each fixed size from the prefill of
   `prompt_ids` (or of its first n tokens for each n of `cost_lengths`: then one row of costs per cache length,
   the rule's cost_contexts), over the same number of AR steps timed just before (median of `repeats` such
-  ratios). Priors: the (first
-  draft, continuation) acceptance per draft class over a greedy generation of `new_tokens` per prompt of
-  `prior_prompts` (one batch; default `prompt_ids` alone) verifying K drafts every step; a class never seen keeps
-  the rule's initial_rate. One prompt's rates vary a lot with what the text is doing there, hence several."""
+  ratios). Priors: the (first draft, continuation) acceptance per draft class over a greedy generation of
+  `new_tokens` per prompt of `prior_prompts` (one batch; default `prompt_ids` alone) verifying K drafts every
+  step; a class never seen keeps the rule's initial_rate. One prompt's rates vary a lot with what the text is
+  doing there, hence several."""
   from longspec_jax.inference.draft_length import DraftLengthRule, observed_rates
   timer = timer or Timer()
   k = max(sizes)
