@@ -1,5 +1,7 @@
 """The data-scaling curve of drafters trained from the distillation store: held-out tau_sim (and top-1 agreement per
-drafting step) against training tokens seen, from each run's train_log.jsonl (the eval_every records).
+drafting step or block slot) against training positions seen, from each run's train_log.jsonl (the eval_every
+records). A position is a token predicted in every chain step (EAGLE-3) or a block anchor predicting B_s slots
+(LongSpark, DFlash): the log's own "tokens".
 
   python scripts/plot_scaling_curve.py --run eagle3=runs/drafter_eagle3_smollm2_store --out results/scaling/smollm2
 
@@ -30,7 +32,8 @@ def main() -> None:
     label, _, path = item.partition("=")
     cfg = json.loads((Path(path) / "train_config.json").read_text())
     runs[label] = {"run_dir": path, "store_dir": cfg.get("store_dir"), "distill": cfg.get("distill"),
-                   "batch_tokens": cfg["batch_size"] * cfg["context_len"], "points": curve(Path(path))}
+                   "batch_tokens": cfg["batch_size"] * (cfg.get("context_len") or cfg["anchors_per_window"]),
+                   "unit": "positions" if cfg.get("context_len") else "anchors", "points": curve(Path(path))}
   out = Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.with_suffix(".json").write_text(json.dumps(runs, indent=1))
@@ -44,8 +47,8 @@ def main() -> None:
   fig, ax = plt.subplots(figsize=(6, 4))
   for label, r in runs.items():
     xs = [pt["tokens"] / 1e6 for pt in r["points"]]
-    ax.plot(xs, [pt["tau_sim"] for pt in r["points"]], marker="o", ms=3, label=label)
-  ax.set_xlabel("training tokens seen (millions)")
+    ax.plot(xs, [pt["tau_sim"] for pt in r["points"]], marker="o", ms=3, label=f"{label} ({r['unit']})")
+  ax.set_xlabel("training positions seen (millions)")
   ax.set_ylabel("held-out tau_sim = 1 + sum_k prod_{i<=k} acc_i")
   ax.set_title("Data scaling of store-trained drafters (SmolLM2-135M)")
   ax.grid(alpha=0.3)

@@ -167,7 +167,8 @@ def test_eagle3_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   from longspec_jax.drafters.eagle3 import load_eagle3
   from longspec_jax.inference.generate import generate
   from longspec_jax.targets import load_target
-  from longspec_jax.training.train_eagle3 import Eagle3TrainConfig, tau_sim, train_eagle3
+  from longspec_jax.training.drafter_common import tau_sim
+  from longspec_jax.training.train_eagle3 import Eagle3TrainConfig, train_eagle3
   from longspec_jax.yaml_config import from_dict
   root, model_dir, _ = setup
   store = build_distill_store(_cfg(setup, "plain"), show_progress=False)
@@ -212,6 +213,104 @@ def test_eagle3_trains_from_the_store_and_stays_lossless(setup, tmp_path):
 
 
 def test_tau_sim_by_hand():
-  from longspec_jax.training.train_eagle3 import tau_sim
+  from longspec_jax.training.drafter_common import tau_sim
   assert tau_sim([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
   assert tau_sim([1.0, 0.0, 1.0]) == pytest.approx(2.0)
+
+
+def test_longspark_trains_from_the_store_and_stays_lossless(setup, tmp_path):
+  """LongSpark from the store: a batch holds the store's own rows (K/V slab, boundary taps, slot j's soft label =
+  the target's distribution at row a + j), the log carries held-out tau_sim, the export records the store and its
+  draft vocabulary (drafted with by default) and the drafter is lossless against the target."""
+  from longspec_jax.drafters.longspark import load_longspark
+  from longspec_jax.inference.generate import generate
+  from longspec_jax.targets import load_target
+  from longspec_jax.training.drafter_common import tau_sim
+  from longspec_jax.training.train_longspark import (AnchorSampler, LongSparkTrainConfig, StoreLongSparkRows,
+                                                     train_longspark)
+  from longspec_jax.yaml_config import from_dict
+  root, model_dir, _ = setup
+  store_dir = build_distill_store(_cfg(setup, "kv01", kv_layers=(0, 1)), show_progress=False)
+  cfg = from_dict(LongSparkTrainConfig, dict(
+      store_dir=str(store_dir), distill="kl", out_dir=str(tmp_path / "ls"), num_layers=1, block_size=3,
+      raw_window=16, num_global_slots=4, markov_rank=0, draft_vocab_size=64, anchors_per_window=4, tail_rows=16,
+      anywhere_fraction=0.8, batch_size=2, steps=4, eval_every=2, optim=dict(lr=0.02, warmup_steps=1),
+      val_fraction=0.3, val_windows=2, compute_dtype="float32", log_every=1, checkpoint_every_minutes=100.0,
+      normalize_boundary=True))
+
+  store = DistillStore(store_dir)
+  rows = StoreLongSparkRows(store, (1,))
+  sampler = AnchorSampler(rows, np.arange(len(store.windows)), cfg, 0, tail=cfg.tail_rows)
+  b = sampler.batch(5, 2)
+  win = np.random.default_rng([0, 5]).integers(0, len(store.windows), size=2)  # the sampler's first draw
+  for r, i in enumerate(win):
+    whole = store.read_window(int(i))
+    for a, anchor in enumerate(b["anchors"][r]):
+      for j in range(3):
+        if b["label_w"][r, a, j] > 0:
+          np.testing.assert_array_equal(b["topk_ids"][r, a, j], whole["topk_ids"][anchor + j])
+          np.testing.assert_array_equal(b["topk_logprobs"][r, a, j], whole["topk_logprobs"][anchor + j])
+          assert b["labels"][r, a, j] == whole["tokens"][anchor + 1 + j]
+      np.testing.assert_array_equal(b["boundary"][r, a], whole["taps"][anchor - 1, 1:2])  # tap 2 = layer 1's out
+    for s, pos in enumerate(b["slab_pos"][r]):
+      expect = whole["kv"][pos, 1, 0] if pos >= 0 else 0.0
+      np.testing.assert_array_equal(b["slab_k"][0, r, s], expect)
+  with pytest.raises(ValueError, match="K/V of layers \\[0\\], not \\[1\\]"):
+    StoreLongSparkRows(DistillStore(build_distill_store(_cfg(setup, "plain"), show_progress=False)), (1,))
+
+  final = train_longspark(cfg)
+  log = [json.loads(l) for l in (tmp_path / "ls" / "train_log.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in log if "val_tau_sim" in r] == [2, 4]
+  assert log[-1]["val_tau_sim"] == pytest.approx(tau_sim([log[-1][f"val_acc_{j}"] for j in range(3)]), abs=1e-3)
+  kept = json.loads((tmp_path / "ls" / "store_run.json").read_text())  # what a resumed run keeps as the store grows
+  held_out = ds.split_windows(store, 0, 0.3)[1]
+  assert kept["held_out_windows"] == [store.windows[i][1]["window"] for i in held_out]
+  assert np.asarray(kept["boundary_scale"]).shape == (1, 32)
+  info = json.loads((final / "drafter.json").read_text())
+  assert info["loss"] == "kl" and info["draft_vocab_size"] == 64 and info["data"][0]["train_windows"] > 0
+  assert len(info["val_top1_per_slot"]) == 3 and str(root) not in json.dumps(info)
+  target = load_target(model_dir)
+  drafter = load_longspark(final, target)  # drafts over the 64 tokens it was trained on
+  counts = store.argmax_counts(ds.split_windows(store, 0, 0.3)[0], target.cfg.vocab_size)
+  assert set(np.asarray(drafter.params["io"]["draft_ids"]).tolist()) == set(
+      np.argsort(-counts, kind="stable")[:64].tolist())
+  prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
+  ar = generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=drafter, num_draft=3).tokens == ar
+  # Scored again on the same held-out anchors from the export (bf16 weights, boundary scale folded in), it gets
+  # what its last log says.
+  from longspec_jax.training.train_longspark import evaluate_longspark_on_store
+  again = evaluate_longspark_on_store(final, target, store_dir, draws=2, val_fraction=0.3, tail_rows=16,
+                                      anchors_per_window=4, anywhere_fraction=0.8)
+  assert again["val_tau_sim"] == pytest.approx(log[-1]["val_tau_sim"], abs=0.05)
+  assert again["val_acc_0"] == pytest.approx(log[-1]["val_acc_0"], abs=0.15)
+  with pytest.raises(ValueError, match="need store_dir"):
+    from_dict(LongSparkTrainConfig, dict(draft_vocab_size=64))
+  with pytest.raises(ValueError, match="markov_rank 0"):
+    from_dict(LongSparkTrainConfig, dict(store_dir="s", draft_vocab_size=64, markov_rank=8))
+
+
+def test_soft_label_stats_with_a_draft_vocabulary_by_hand():
+  """Block logits over a draft vocabulary: teacher ids map through t2d, ids outside it go to the rest bucket (kl)
+  or take the slot out of the loss (hard), per-slot sums and hits as computed by hand."""
+  from longspec_jax.training.losses import topk_distillation
+  from longspec_jax.training.train_longspark import soft_label_stats
+  rng = np.random.default_rng(0)
+  t2d = np.asarray([-1, 0, 1, -1, 2], np.int32)  # target vocab 5, draft vocab = target ids 1, 2, 4
+  logits = jnp.asarray(rng.normal(size=(1, 2, 2, 3)), jnp.float32)  # [B, A, B_s, draft vocab]
+  ids = np.asarray([[[[1, 3], [0, 2]], [[4, 1], [2, 4]]]], np.int32)  # [B, A, B_s, k=2]
+  lp = np.log(np.asarray([[[[0.6, 0.3], [0.5, 0.2]], [[0.7, 0.1], [0.4, 0.4]]]], np.float32))
+  w = np.asarray([[[1.0, 0.5], [1.0, 0.5]]], np.float32)
+  batch = {"topk_ids": jnp.asarray(ids), "topk_logprobs": jnp.asarray(lp), "label_w": jnp.asarray(w),
+           "t2d": jnp.asarray(t2d)}
+  sums, hit, weights = soft_label_stats(logits, batch, "kl")
+  for j in range(2):
+    mapped = t2d[ids[..., j, :]]
+    mean, total = topk_distillation(logits[..., j, :], np.maximum(mapped, 0), lp[..., j, :], "kl", w[..., j],
+                                    mapped >= 0)
+    assert float(sums[j]) == pytest.approx(float(mean * total), rel=1e-5)
+  # slot 0 of anchor 0: teacher argmax 1 -> column 0; slot 1 of anchor 0: argmax 0 is outside -> never a hit
+  expect_hit = (np.argmax(np.asarray(logits), -1) == np.maximum(t2d[ids[..., 0]], 0)) & (t2d[ids[..., 0]] >= 0)
+  np.testing.assert_array_equal(np.asarray(hit), expect_hit)
+  _, _, hard_w = soft_label_stats(logits, batch, "hard")
+  np.testing.assert_array_equal(np.asarray(hard_w), w * (t2d[ids[..., 0]] >= 0))

@@ -487,3 +487,27 @@ def test_sampling_with_a_cut_head_matches_target_distribution(peaky_target):  # 
   marg = _exact_marginals(peaky_target, SamplingParams.make(1.0))
   pvals = _chi2_pvalues(_sample(peaky_target, d, 1.0, 0, 1.0, seed=17), marg)
   assert min(pvals) > 0.01 / N_POS, f"chi-square p-values {pvals}"
+
+
+def test_init_from_target_copies_the_layers_it_reads(target):
+  """init_from_target: drafter layer i takes target layer target_layer_ids[i]'s attention and norms, and the first
+  channels of its MLP; a drafter MLP wider than the target's is refused. The result still drafts losslessly."""
+  from longspec_jax.training.train_longspark import init_from_target_layers
+  half = target.cfg.intermediate_size // 2
+  model = create_longspark(longspark_config_for(target.cfg, num_layers=2, intermediate_size=half), seed=3)
+  init_from_target_layers(model, target)
+  for layer, ti in zip(model.parallel_qwen_layers, model.cfg.target_layer_ids):
+    t = target.layers[ti]
+    np.testing.assert_array_equal(layer.self_attn.q_proj.kernel[...], t.self_attn.q_proj.kernel[...])
+    np.testing.assert_array_equal(layer.self_attn.o_proj.kernel[...], t.self_attn.o_proj.kernel[...])
+    np.testing.assert_array_equal(layer.input_layernorm.scale[...], t.input_layernorm.scale[...])
+    np.testing.assert_array_equal(layer.mlp.up_proj.kernel[...], t.mlp.up_proj.kernel[...][:, :half])
+    np.testing.assert_array_equal(layer.mlp.down_proj.kernel[...], t.mlp.down_proj.kernel[...][:half])
+  wide = create_longspark(longspark_config_for(target.cfg, num_layers=1,
+                                               intermediate_size=2 * target.cfg.intermediate_size))
+  with pytest.raises(ValueError, match="wider than the target's"):
+    init_from_target_layers(wide, target)
+  from longspec_jax.drafters.longspark import longspark_from_model
+  prompts = _prompts(2, [7, 33])
+  assert generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=longspark_from_model(model, target),
+                  num_draft=7).tokens == generate(target, prompts, max_new_tokens=12, eos_id=-1).tokens

@@ -1,5 +1,6 @@
 """What the drafter trainers share: the target that generated the drafter data, the held-out split, the frozen
-target's taps, an input scale folded into the exported weights, and the end of a run (export on process 0)."""
+target's taps, an input scale folded into the exported weights, the end of a run (export on process 0), and for
+trainers reading a distillation store its target, draft vocabulary and held-out tau_sim."""
 
 from __future__ import annotations
 
@@ -138,3 +139,58 @@ def write_drafter_json(final: Path, info: dict, *, last: dict, train_s: float, m
           **({"parameters": param_count(model)} if model is not None else {})}
   (final / "drafter.json").write_text(json.dumps(info, indent=2))
   return final
+
+
+# --- trainers reading a distillation store ---------------------------------------------------------------------
+
+def tau_sim(acc_per_step) -> float:
+  """Simulated mean accepted length of a chain from per-position top-1 agreement: 1 + sum_k prod_{i<=k} acc_i."""
+  return float(1.0 + np.sum(np.cumprod(np.asarray(acc_per_step, np.float64))))
+
+
+def store_target(store) -> Path:
+  """The target a store was made with (its recorded name or directory); its weights must be the store's."""
+  from longspec_jax.hf_io import weights_sha256 as sha
+  from longspec_jax.targets import resolve_target_dir
+  target_dir = resolve_target_dir(store.settings["target"])
+  if sha(target_dir) != store.settings["weights_sha256"]:
+    raise ValueError(f"{target_dir} is not the checkpoint that made the distillation store at {store.dir}")
+  return target_dir
+
+
+def store_evaluator(stats_fn, sampler, batch_size: int, val_windows: int):
+  """evaluate(params) -> held-out {val_acc_j, val_loss_j, val_tau_sim} over `val_windows` fixed windows."""
+  bs = min(batch_size, val_windows)
+  batches = [sampler.batch(i, bs) for i in range(-(-val_windows // bs))]  # read once, reused every time
+
+  def evaluate(params) -> dict:
+    acc = None
+    for b in batches:
+      part = stats_fn(params, b)
+      acc = part if acc is None else tuple(x + y for x, y in zip(acc, part))
+    loss, hits, w = (np.asarray(x, np.float64) for x in acc)
+    top1 = hits / np.maximum(w, 1)
+    out = {f"val_acc_{j}": round(float(a), 4) for j, a in enumerate(top1)}
+    out.update({f"val_loss_{j}": round(float(c), 4) for j, c in enumerate(loss / np.maximum(w, 1))})
+    out["val_tau_sim"] = round(tau_sim(top1), 4)
+    return out
+  return evaluate
+
+
+def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
+  """The `size` ids with the largest counts, ascending (all ids when size is 0 or >= the vocabulary)."""
+  if size <= 0 or size >= len(counts):
+    return np.arange(len(counts))
+  return np.sort(np.argsort(-counts, kind="stable")[:size])
+
+
+def write_draft_vocab(directory, ids, store, train_windows: int) -> Path:
+  """`draft_vocab.json` (what `--draft-vocab N` reads: the first N ids) in `directory`: target ids ordered by how
+  often they are the target's argmax on the store's `train_windows` train windows, most often first."""
+  from longspec_jax.drafters.frozen_target import DRAFT_VOCAB_FILE
+  path = Path(directory) / DRAFT_VOCAB_FILE
+  path.write_text(json.dumps({"ids": [int(i) for i in ids], "target": store.settings["target"],
+                              "weights_sha256": store.settings.get("weights_sha256"),
+                              "source": f"target argmax counts over the {train_windows} train windows of the "
+                                        f"distillation store {store.dir.name}"}))
+  return path

@@ -28,7 +28,8 @@ from longspec_jax.model import param_count
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
-from longspec_jax.training.drafter_common import (data_target, draw_windows, last_logged, pad_token, split_rows,
+from longspec_jax.training.drafter_common import (data_target, draft_vocab_from_counts, draw_windows, last_logged,
+                                                   pad_token, split_rows, store_evaluator, store_target,
                                                    train_to_export, write_drafter_json)
 from longspec_jax.training.losses import DISTILL_KINDS, topk_distillation
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
@@ -377,40 +378,6 @@ def export_eagle3(net, target, cfg: Eagle3TrainConfig, aux, target_dir: Path, da
 
 # --- training from a distillation store ------------------------------------------------------------------------
 
-def tau_sim(acc_per_step) -> float:
-  """Simulated mean accepted length of a chain from per-position top-1 agreement: 1 + sum_k prod_{i<=k} acc_i."""
-  return float(1.0 + np.sum(np.cumprod(np.asarray(acc_per_step, np.float64))))
-
-
-def store_target(store) -> Path:
-  """The target a store was made with (its recorded name or directory); its weights must be the store's."""
-  from longspec_jax.hf_io import weights_sha256 as sha
-  from longspec_jax.targets import resolve_target_dir
-  target_dir = resolve_target_dir(store.settings["target"])
-  if sha(target_dir) != store.settings["weights_sha256"]:
-    raise ValueError(f"{target_dir} is not the checkpoint that made the distillation store at {store.dir}")
-  return target_dir
-
-
-def store_evaluator(stats_fn, sampler, batch_size: int, val_windows: int):
-  """evaluate(params) -> held-out {val_acc_j, val_loss_j, val_tau_sim} over `val_windows` fixed windows."""
-  bs = min(batch_size, val_windows)
-  batches = [sampler.batch(i, bs) for i in range(-(-val_windows // bs))]  # read once, reused every time
-
-  def evaluate(params) -> dict:
-    acc = None
-    for b in batches:
-      part = stats_fn(params, b)
-      acc = part if acc is None else tuple(x + y for x, y in zip(acc, part))
-    loss, hits, w = (np.asarray(x, np.float64) for x in acc)
-    top1 = hits / np.maximum(w, 1)
-    out = {f"val_acc_{j}": round(float(a), 4) for j, a in enumerate(top1)}
-    out.update({f"val_loss_{j}": round(float(c), 4) for j, c in enumerate(loss / np.maximum(w, 1))})
-    out["val_tau_sim"] = round(tau_sim(top1), 4)
-    return out
-  return evaluate
-
-
 def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
   """train_eagle3 on a distillation store: windows of context_len tokens from the store's train windows, taps
   from the store, the loss `cfg.distill` against the target's soft labels; held-out tau_sim every eval_every
@@ -493,13 +460,6 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
       "val_tau_sim": held_out["val_tau_sim"],
   }
   return write_drafter_json(final, info, last=last, train_s=time.time() - t0, model=net)
-
-
-def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
-  """The `size` ids with the largest counts, ascending (all ids when size is 0 or >= the vocabulary)."""
-  if size <= 0 or size >= len(counts):
-    return np.arange(len(counts))
-  return np.sort(np.argsort(-counts, kind="stable")[:size])
 
 
 # --- a shipped drafter against the store: held-out tau_sim, and a smaller draft vocabulary ---------------------

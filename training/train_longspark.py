@@ -18,6 +18,7 @@ The Markov term is teacher-forced: slot j's previous token is x_{a+j}.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
+from longspec_jax.distributed import is_main_process
 from longspec_jax.attention import dense_masked_attention
 from longspec_jax.drafters.frozen_target import apply_final_norm, head_logits, target_io
 from longspec_jax.drafters.longspark import (LongSparkModel, create_longspark, longspark_config_for, merge_rows,
@@ -38,9 +40,10 @@ from longspec_jax.rope import apply_rope, rope_frequencies
 from longspec_jax.pallas_kernels.length_masked_attention import merge_attention_views
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
-from longspec_jax.training.losses import cross_entropy
+from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy, topk_distillation
 from longspec_jax.training.drafter_common import (fold_input_scale, inverse_median_scale, last_logged,
-                                                   load_data_dirs, train_to_export, write_drafter_json)
+                                                   load_data_dirs, store_evaluator, store_target, train_to_export,
+                                                   write_draft_vocab, write_drafter_json)
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
@@ -73,6 +76,19 @@ class LongSparkTrainConfig(RunConfig):
   compute_dtype: str = "bfloat16"
   # >0: half the windows are moved to a random start in [0, position_shift_max - length] (see _shift_window).
   position_shift_max: int = 0
+  # A distillation store (`longspec make-distill-store` with the drafter's layers in --kv-layers and their outputs
+  # in --taps) replaces data_dirs: windows of the corpus text (and the target's own continuations), every window
+  # cut anywhere, and the labels are the target's top-k next-token distribution at each slot (`distill`).
+  store_dir: str = ""
+  distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); training.losses
+  # With a store: the LM head over the N tokens most often the target's argmax on the store's train windows, in
+  # training (the 49,152-wide head dominated a step) and, by default, when the exported drafter drafts. 0 = all.
+  draft_vocab_size: int = 0
+  tail_rows: int = 256  # with a store: anchors are drawn in the tail_rows rows after a window's cut
+  # Start each drafter layer from the target layer whose K/V it reads (attention and norms; the MLP from that
+  # layer's first intermediate_size channels), so its queries start in the space of the keys it attends over.
+  init_from_target: bool = False
+  val_fraction: float = 0.03  # with a store: held-out share of its windows (split_windows)
 
   def __post_init__(self):
     self.require_positive("num_layers", "block_size", "num_global_slots", "raw_window", "anchors_per_window",
@@ -82,8 +98,16 @@ class LongSparkTrainConfig(RunConfig):
     if self.gamma <= 0 or self.markov_rank < 0 or self.val_windows < 0:
       raise ValueError(f"need gamma > 0, markov_rank >= 0, val_windows >= 0, got {self.gamma}, "
                        f"{self.markov_rank}, {self.val_windows}")
-    if not self.data_dirs:
-      raise ValueError("data_dirs is empty")
+    if not self.data_dirs and not self.store_dir:
+      raise ValueError("data_dirs is empty (or give store_dir)")
+    if (self.distill or self.draft_vocab_size) and not self.store_dir:
+      raise ValueError("distill and draft_vocab_size need store_dir (soft labels come from a distillation store)")
+    if self.distill not in ("",) + DISTILL_KINDS:
+      raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
+    if self.draft_vocab_size and self.markov_rank:
+      raise ValueError("draft_vocab_size needs markov_rank 0 (the Markov head scores the whole vocabulary)")
+    if self.store_dir and self.tail_rows < 2:
+      raise ValueError(f"tail_rows must be >= 2, got {self.tail_rows}")
 
 
 # ---------------------------------------------------------------- the training forward (shared with the tests)
@@ -175,18 +199,79 @@ def boundary_scale(samplers, batch_size: int, num_batches: int = 8) -> np.ndarra
   return inverse_median_scale(taps)
 
 
-def longspark_loss(model, batch):
+def batch_logits(model, batch):
+  """Block logits [B, A, B_s, V] of a training batch (position shift and boundary scale applied when present)."""
   if "shift" in batch:
     batch = _shift_window(model, batch)
-  g_out = _summaries(model, batch)
   boundary = batch["boundary"]
   if "boundary_scale" in batch:
     boundary = boundary * batch["boundary_scale"]
-  logits = longspark_train_logits(model, batch["io"], boundary, batch["anchors"], g_out, batch["slab_k"],
-                                  batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))
-  loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
-  hit = (jnp.argmax(logits, -1) == batch["labels"]) & (batch["label_w"] > 0)
-  return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(batch["label_w"][..., 0] > 0), 1)}
+  return longspark_train_logits(model, batch["io"], boundary, batch["anchors"], _summaries(model, batch),
+                                batch["slab_k"], batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))
+
+
+def soft_label_stats(logits, batch, kind: str):
+  """(per-slot loss sums [B_s], hits on the target's argmax [B, A, B_s], weights [B, A, B_s]) of block logits
+  against the store's top-k labels ("topk_ids" / "topk_logprobs" [B, A, B_s, k]). With a draft vocabulary the
+  logits cover only its tokens and batch["t2d"] [V] maps a target id to its column (-1: outside, moved into the
+  rest bucket; for "hard", a slot whose argmax is outside carries no loss)."""
+  ids, w, keep = batch["topk_ids"], batch["label_w"], None
+  if "t2d" in batch:
+    ids = batch["t2d"][ids]
+    keep = ids >= 0
+    w = w * keep[..., 0] if kind == "hard" else w
+    ids = jnp.maximum(ids, 0)
+  slots = []
+  for j in range(logits.shape[-2]):
+    mean, total = topk_distillation(logits[..., j, :], ids[..., j, :], batch["topk_logprobs"][..., j, :], kind,
+                                    w[..., j], None if keep is None else keep[..., j, :])
+    slots.append(mean * total)
+  loss_sums = jnp.stack(slots)
+  hit = jnp.argmax(logits, -1) == ids[..., 0]
+  if keep is not None:
+    hit = hit & keep[..., 0]
+  return loss_sums, hit, w
+
+
+def longspark_loss(model, batch, distill: str = ""):
+  """Training loss: CE on the data's next tokens, or with `distill` the loss of that kind against the store's
+  soft labels (slot weights in label_w)."""
+  logits = batch_logits(model, batch)
+  if distill:
+    loss_sums, hit, w = soft_label_stats(logits, batch, distill)
+    loss = jnp.sum(loss_sums) / jnp.maximum(jnp.sum(w), 1e-9)
+  else:
+    loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
+    hit, w = jnp.argmax(logits, -1) == batch["labels"], batch["label_w"]
+  hit = hit & (w > 0)
+  return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(w[..., 0] > 0), 1)}
+
+
+def drafter_config(cfg: LongSparkTrainConfig, target_cfg):
+  return longspark_config_for(target_cfg, num_layers=cfg.num_layers, markov_rank=cfg.markov_rank,
+                              num_global_slots=cfg.num_global_slots, raw_window=cfg.raw_window,
+                              block_size=cfg.block_size,
+                              mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id, **cfg.model)
+
+
+def init_from_target_layers(model: LongSparkModel, target) -> None:
+  """`init_from_target`: drafter layer i <- target layer target_layer_ids[i] where shapes allow (q/k/v/o and the
+  two norms always match: LongSpark layers take the target's width and heads); a narrower MLP takes the target
+  MLP's first channels. A target without q/k norms leaves the drafter's at their initial ones."""
+  for layer, t in zip(model.parallel_qwen_layers, (target.layers[i] for i in model.cfg.target_layer_ids)):
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      getattr(layer.self_attn, name).kernel[...] = getattr(t.self_attn, name).kernel[...].astype(
+          getattr(layer.self_attn, name).kernel[...].dtype)
+    for name in ("input_layernorm", "post_attention_layernorm"):
+      getattr(layer, name).scale[...] = getattr(t, name).scale[...]
+    f = layer.mlp.gate_proj.kernel.shape[1]
+    if f > t.mlp.gate_proj.kernel.shape[1]:
+      raise ValueError(f"init_from_target: the drafter's MLP ({f}) is wider than the target's "
+                       f"({t.mlp.gate_proj.kernel.shape[1]})")
+    cast = lambda x: x.astype(layer.mlp.gate_proj.kernel[...].dtype)  # noqa: E731
+    layer.mlp.gate_proj.kernel[...] = cast(t.mlp.gate_proj.kernel[...][:, :f])
+    layer.mlp.up_proj.kernel[...] = cast(t.mlp.up_proj.kernel[...][:, :f])
+    layer.mlp.down_proj.kernel[...] = cast(t.mlp.down_proj.kernel[...][:f])
 
 
 # ---------------------------------------------------------------- the frozen-target feature cache
@@ -202,6 +287,9 @@ class LongSparkRows:
     self.lens = np.asarray([len(r) for r, _ in rows])
     self.tail_start = np.asarray([max(p - 2, 0) for _, p in rows])
 
+  def tokens(self, i) -> np.ndarray:
+    return np.asarray(self.rows[i][0], np.int32)
+
   def window_kv(self, i, lo, hi):
     """K/V rows [lo, hi) of window i as [L, rows, Hkv, D] each (rows outside the window are zero)."""
     k, v = self.cache.window_kv(i, lo, hi - lo, self.layer_ids)
@@ -211,6 +299,52 @@ class LongSparkRows:
     return self.cache.taps_at(i, rows, self.taps).astype(np.float32)
 
 
+class StoreLongSparkRows:
+  """A distillation store's windows read the way `LongSparkRows` reads a feature cache (tokens, the selected
+  layers' K/V and outputs), plus the target's top-k next-token distribution at every row (`soft_labels`). A
+  window's tail starts 2 rows before the target's own continuation (on-policy windows) or at its first row; with
+  `anywhere_fraction` most cuts are drawn anywhere anyway."""
+
+  def __init__(self, store, layer_ids):
+    stored = list(store.settings["kv_layers"])
+    missing = [l for l in layer_ids if l not in stored]
+    if missing:
+      raise ValueError(f"the distillation store at {store.dir} has K/V of layers {stored}, not {missing}; rebuild "
+                       "it with --kv-layers including them")
+    self.store, self.layer_ids = store, tuple(layer_ids)
+    self.kv_sel = [stored.index(l) for l in layer_ids]
+    self.tap_sel = store.tap_positions([l + 1 for l in layer_ids])  # tap i = the output of layer i - 1
+    self.lens = store.window_lengths()
+    gen = np.asarray([w["generated_from"] for _, w in store.windows])
+    self.tail_start = np.where(gen > 0, np.maximum(gen - 2, 0), 0)
+
+  def _read(self, i, lo, hi, features, taps=None) -> dict:
+    return self.store.read_rows(int(i), int(lo), int(hi - lo), taps, features)
+
+  def tokens(self, i) -> np.ndarray:
+    return self._read(i, 0, self.lens[i], ())["tokens"].astype(np.int32)
+
+  def window_kv(self, i, lo, hi):
+    """K/V rows [lo, hi) of window i as [L, rows, Hkv, D] each (rows outside the window are zero)."""
+    a, b = max(lo, 0), min(hi, int(self.lens[i]))
+    kv = self._read(i, a, max(b, a + 1), ("kv",))["kv"][:, self.kv_sel]  # [rows, L, 2, Hkv, D]
+    out = np.zeros((hi - lo,) + kv.shape[1:], np.float32)
+    if b > a:
+      out[a - lo:b - lo] = kv[:b - a]
+    return out[:, :, 0].transpose(1, 0, 2, 3), out[:, :, 1].transpose(1, 0, 2, 3)
+
+  def boundary(self, i, rows):
+    lo = int(np.min(rows))
+    return self._read(i, lo, int(np.max(rows)) + 1, ("taps",), self.tap_sel)["taps"][np.asarray(rows) - lo]
+
+  def soft_labels(self, i, rows):
+    """(topk_ids, topk_logprobs) [*rows.shape, k] of window i at `rows`: the target's distribution of the token
+    after each row."""
+    lo = int(np.min(rows))
+    part = self._read(i, lo, int(np.max(rows)) + 1, ())
+    return part["topk_ids"][rows - lo], part["topk_logprobs"][rows - lo]
+
+
 class AnchorSampler:
   """Batches of windows from one cache; the batch for step s is a pure function of (seed, s), so a resumed run
   replays the same batches. Shapes are fixed per cache (prefix rows Cp, slab rows) so the step compiles once.
@@ -218,10 +352,11 @@ class AnchorSampler:
   rows (Raw only) and the rest are the tail the anchors live in. The cut is tail_start (anchors in the target's
   continuation), or for `anywhere_fraction` of the windows a uniform row (anchors in the document's text)."""
 
-  def __init__(self, cache: LongSparkRows, windows, cfg: LongSparkTrainConfig, seed: int):
+  def __init__(self, cache: LongSparkRows | StoreLongSparkRows, windows, cfg: LongSparkTrainConfig, seed: int,
+               tail: int = 0):
     self.c, self.windows, self.cfg, self.seed = cache, np.asarray(windows), cfg, seed
     w = cfg.raw_window
-    self.tail = int((cache.lens - cache.tail_start)[windows].max())  # T
+    self.tail = tail or int((cache.lens - cache.tail_start)[windows].max())  # T (0: the longest continuation)
     last_cut = (cache.lens - 3) if cfg.anywhere_fraction else cache.tail_start
     self.cp = int(-(-max(last_cut[windows].max(), 1) // 128) * 128)
     self.slab = int(-(-(w + self.tail) // 8) * 8)
@@ -231,11 +366,12 @@ class AnchorSampler:
     cfg, c = self.cfg, self.c
     cuts = c.tail_start[wins] if cuts is None else np.asarray(cuts)
     bs, w = cfg.block_size, cfg.raw_window
+    soft = hasattr(c, "soft_labels")
     parts = {k: [] for k in ("pre_k", "pre_v", "slab_k", "slab_v", "slab_pos", "boundary", "prev", "labels",
-                             "label_w")}
+                             "label_w") + (("topk_ids", "topk_logprobs") if soft else ())}
     for i, anc, s in zip(wins, anchors, cuts):
       s, t = int(s), int(c.lens[i])
-      toks = np.asarray(c.rows[i][0], np.int32)
+      toks = c.tokens(i)
       pk, pv = c.window_kv(i, 0, self.cp)
       lo = s - w
       sk, sv = c.window_kv(i, lo, lo + self.slab)
@@ -248,6 +384,9 @@ class AnchorSampler:
       parts["prev"].append(seq[:, :-1])
       parts["labels"].append(seq[:, 1:])
       parts["label_w"].append((tgt[:, 1:] < t) * self.slot_weight[None, :])
+      if soft:  # row a + j holds the target's distribution of x_{a+1+j}, slot j's label
+        ids, logprobs = c.soft_labels(i, np.minimum(tgt[:, :-1], t - 1))
+        parts["topk_ids"].append(ids.astype(np.int32)), parts["topk_logprobs"].append(logprobs)
     out = {k: np.stack(v, 1 if k in ("pre_k", "pre_v", "slab_k", "slab_v") else 0) for k, v in parts.items()}
     out["pre_len"] = cuts.astype(np.int32)
     out["anchors"] = np.asarray(anchors, np.int32)
@@ -276,6 +415,8 @@ class AnchorSampler:
 
 def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   """Trains LongSpark; returns the exported drafter directory (or the checkpoint dir when stopped early)."""
+  if cfg.store_dir:
+    return train_longspark_from_store(cfg, resume)
   data, target_dir, target_cfg = load_data_dirs(cfg.data_dirs, cfg.target_dir)
   loaded = []  # per data dir: (rows used = (tokens, prompt length), manifest, rows in the dir)
   for i, (ds, manifest) in enumerate(data):
@@ -283,10 +424,7 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
     limit = cfg.max_windows[i] if i < len(cfg.max_windows) else 0
     loaded.append((rows[:limit or None], manifest, len(rows)))
   target = load_model_dir(target_dir)
-  dcfg = longspark_config_for(target_cfg, num_layers=cfg.num_layers, markov_rank=cfg.markov_rank,
-                              num_global_slots=cfg.num_global_slots, raw_window=cfg.raw_window,
-                              block_size=cfg.block_size,
-                              mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id, **cfg.model)
+  dcfg = drafter_config(cfg, target_cfg)
   weights_id = weights_sha256(target_dir)
   caches = []
   for d, (rows, _, num_rows) in zip(cfg.data_dirs, loaded):
@@ -303,6 +441,8 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   samplers += [AnchorSampler(c, np.arange(len(c.rows)), cfg, cfg.seed + 1 + j) for j, c in enumerate(caches[1:])]
 
   model = create_longspark(dcfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype))
+  if cfg.init_from_target:
+    init_from_target_layers(model, target)
   print(f"LongSpark drafter: {param_count(model) / 1e6:.2f}M parameters (+ the target's frozen embedding/norm/head), "
         f"target layers {dcfg.target_layer_ids}, windows {[len(s.windows) for s in samplers]} (+{n_val} val), "
         f"prefix rows {[s.cp for s in samplers]}, {cfg.anchors_per_window} anchors/window")
@@ -337,6 +477,157 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   val_sampler = AnchorSampler(caches[0], val, cfg, cfg.seed)
   return export_longspark(trained, cfg, target, target_dir, [l[1] for l in loaded], val_sampler, val,
                           time.time() - t0)
+
+
+def store_head(io: dict, draft_ids) -> tuple[dict, np.ndarray]:
+  """(io whose LM head covers only `draft_ids`, t2d [V]: a target id's column in it or -1). Training reads logits
+  over the draft vocabulary alone; the full embedding stays (the block's pending token can be any id)."""
+  vocab = io["embed"].shape[0]
+  rows = io["lm_head"].T if "lm_head" in io else io["embed"]  # [V, H]
+  t2d = np.full(vocab, -1, np.int32)
+  t2d[np.asarray(draft_ids)] = np.arange(len(draft_ids), dtype=np.int32)
+  return {**io, "lm_head": jnp.asarray(rows)[np.asarray(draft_ids)].T}, t2d
+
+
+def store_stats_fn(graphdef, kind: str):
+  """Jitted (params, batch) -> (per-slot loss sums, hits on the target's argmax, labelled slots), summed over the
+  batch: what store_evaluator adds up. Every loss kind is scored alike (an argmax outside the draft vocabulary is
+  a miss); slot weights are the batch's label_w (flat in held-out batches)."""
+  @jax.jit
+  def stats(params, batch):
+    loss_sums, hit, _ = soft_label_stats(batch_logits(nnx.merge(graphdef, params), batch), batch, kind)
+    real = batch["label_w"] > 0
+    return loss_sums, jnp.sum(hit & real, (0, 1)), jnp.sum(real, (0, 1))
+  return stats
+
+
+def evaluate_longspark_on_store(drafter_dir, target, store_dir, *, draws: int = 32, val_fraction: float = 0.03,
+                                seed: int = 0, tail_rows: int = 256, anchors_per_window: int = 32,
+                                anywhere_fraction: float = 0.9) -> dict:
+  """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an exported LongSpark drafter on the store's held-out
+  windows (the split train_longspark_from_store makes with the same seed and val_fraction), `draws` windows of
+  `anchors_per_window` anchors each, over the draft vocabulary it drafts with (drafter.json): drafters trained any
+  way are compared on the same anchors."""
+  from longspec_jax.drafters.frozen_target import read_draft_vocab, trained_draft_vocab
+  from longspec_jax.drafters.longspark import load_longspark_model
+  from longspec_jax.training.distill_store import DistillStore, split_windows
+  store = DistillStore(store_dir)
+  model = load_longspark_model(drafter_dir)
+  _, val_w = split_windows(store, seed, val_fraction)
+  cfg = LongSparkTrainConfig(store_dir=str(store_dir), block_size=model.cfg.block_size,
+                             raw_window=model.cfg.raw_window, anchors_per_window=anchors_per_window, gamma=1e9,
+                             tail_rows=tail_rows, anywhere_fraction=anywhere_fraction)
+  sampler = AnchorSampler(StoreLongSparkRows(store, model.cfg.target_layer_ids), val_w, cfg, seed + 1,
+                          tail=tail_rows)
+  extra = {"io": target_io(target, final_norm=True)}
+  size = trained_draft_vocab(drafter_dir)
+  if size:
+    extra["io"], extra["t2d"] = store_head(extra["io"], read_draft_vocab(drafter_dir, size))
+  graphdef, params = nnx.split(model)
+  stats = store_stats_fn(graphdef, "kl")
+  return store_evaluator(lambda p, b: stats(p, {**b, **extra}), sampler, 4, draws)(params)
+
+
+def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
+  """train_longspark on a distillation store: anchors in windows of the store's train split, K/V and boundary taps
+  from the store, the loss `cfg.distill` against the target's soft labels at every slot, the LM head over the draft
+  vocabulary; held-out per-slot top-1 agreement and tau_sim every eval_every steps."""
+  from longspec_jax.training.distill_store import DistillStore, split_windows
+
+  kind = cfg.distill or "kl"
+  store = DistillStore(cfg.store_dir)
+  target_dir = Path(cfg.target_dir) if cfg.target_dir else store_target(store)
+  target = load_model_dir(target_dir)
+  dcfg = drafter_config(cfg, target.cfg)
+  rows = StoreLongSparkRows(store, dcfg.target_layer_ids)
+  train_w, val_w = split_windows(store, cfg.seed, cfg.val_fraction)
+  # A resumed run keeps what its first start fixed while the store grows: the held-out windows (the curve's
+  # anchors stay the same) and the boundary scale (the drafter's input normalisation).
+  kept_path = Path(cfg.out_dir) / "store_run.json"
+  kept = json.loads(kept_path.read_text()) if resume and kept_path.exists() else None
+  if kept:
+    position = {w["window"]: i for i, (_, w) in enumerate(store.windows)}
+    val_w = np.asarray([position[n] for n in kept["held_out_windows"]])
+  sampler = AnchorSampler(rows, train_w, cfg, cfg.seed, tail=cfg.tail_rows)
+  flat = dataclasses.replace(cfg, gamma=1e9, position_shift_max=0)  # held out: every slot counts alike
+  val_sampler = AnchorSampler(rows, val_w, flat, cfg.seed + 1, tail=cfg.tail_rows)
+  counts = store.argmax_counts(train_w, target.cfg.vocab_size)
+  vocab_order = np.argsort(-counts, kind="stable")  # most often the target's argmax first
+  draft_ids = vocab_order[:cfg.draft_vocab_size] if cfg.draft_vocab_size else None
+
+  model = create_longspark(dcfg, seed=cfg.seed, dtype=jnp.dtype(cfg.compute_dtype))
+  if cfg.init_from_target:
+    init_from_target_layers(model, target)
+  train_tokens = int(rows.lens[train_w].sum())
+  print(f"LongSpark drafter from the distillation store {store.dir}: {param_count(model) / 1e6:.2f}M parameters, "
+        f"target layers {dcfg.target_layer_ids}, {len(train_w)} train windows ({train_tokens} tokens) / {len(val_w)} "
+        f"held-out, draft vocabulary {cfg.draft_vocab_size or target.cfg.vocab_size}, loss {kind}, prefix rows "
+        f"{sampler.cp}, tail {sampler.tail}, {cfg.anchors_per_window} anchors/window")
+
+  graphdef, params = nnx.split(model)
+  run = start_run(cfg, params, resume=resume, record=dataclasses.asdict(cfg))
+  io = target_io(target, final_norm=True)
+  extra = {}
+  if draft_ids is not None:
+    io, t2d = store_head(io, draft_ids)
+    extra["t2d"] = t2d
+  if cfg.normalize_boundary:
+    extra["boundary_scale"] = (np.asarray(kept["boundary_scale"], np.float32) if kept
+                               else boundary_scale([sampler], cfg.batch_size))
+  if not kept and is_main_process():
+    kept_path.write_text(json.dumps({"held_out_windows": [store.windows[i][1]["window"] for i in val_w],
+                                     "boundary_scale": extra["boundary_scale"].tolist()
+                                     if cfg.normalize_boundary else None}))
+  local_extra = {"io": io, **extra}
+  extra = {k: run.replicate(v) for k, v in local_extra.items()}
+  batch_sharding = shd.batch_sharding(run.mesh)
+  kv_sharding = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, "data"))
+
+  def batch_fn(step):
+    b = sampler.batch(step, cfg.batch_size)
+    on_device = {k: jax.device_put(v, kv_sharding if k in ("pre_k", "pre_v", "slab_k", "slab_v")
+                                   else batch_sharding) for k, v in b.items()}
+    return dict(on_device, **extra)
+
+  def loss_fn(p, batch):
+    return longspark_loss(nnx.merge(graphdef, p), batch, kind)
+
+  stats = store_stats_fn(graphdef, kind)
+  evaluate = store_evaluator(lambda p, b: stats(p, {**b, **local_extra}), val_sampler, cfg.batch_size,
+                             cfg.val_windows)
+  t0 = time.time()
+  trained, stopped = train_to_export(run, loss_fn, batch_fn, desc="train-drafter longspark (store)",
+                                     tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window, evaluate=evaluate)
+  if stopped:
+    return stopped
+  held_out = evaluate(trained)
+  trained = nnx.merge(graphdef, trained)
+  if cfg.normalize_boundary:
+    fold_input_scale(trained.draft_state_encoder.proj.fc_in, local_extra["boundary_scale"])
+  last = last_logged(cfg.out_dir)
+  final = save_longspark_dir(trained, Path(cfg.out_dir) / "final", dtype=jnp.bfloat16)
+  if draft_ids is not None:
+    write_draft_vocab(final, vocab_order[:max(cfg.draft_vocab_size, 16384)], store, len(train_w))
+  info = {
+      **drafter_info(trained, cfg, target_dir),
+      "data": [{"distill_store": store.dir.name, "stored_tokens": store.index["stored_tokens"],
+                "train_windows": len(train_w), "train_tokens": train_tokens, "held_out_windows": len(val_w),
+                "store_settings": {k: store.settings[k] for k in ("window_tokens", "topk", "feature_dtype",
+                                                                  "on_policy_fraction", "kv_layers")}}],
+      "loss": kind,
+      "draft_vocab_size": cfg.draft_vocab_size or None,  # the default --draft-vocab when it drafts
+      "steps": cfg.steps,
+      "batch_size": cfg.batch_size,
+      "anchors_per_window": cfg.anchors_per_window,
+      "tail_rows": cfg.tail_rows,
+      "anywhere_fraction": cfg.anywhere_fraction,
+      "gamma": cfg.gamma,
+      "init_from_target": cfg.init_from_target,
+      "anchors_seen": last.get("tokens"),
+      "val_top1_per_slot": [held_out[f"val_acc_{j}"] for j in range(cfg.block_size)],
+      "val_tau_sim": held_out["val_tau_sim"],
+  }
+  return write_drafter_json(final, info, last=last, train_s=time.time() - t0, model=trained)
 
 
 def validation_metrics(model: LongSparkModel, target, sampler: AnchorSampler, windows) -> dict:
@@ -378,11 +669,9 @@ def validation_metrics(model: LongSparkModel, target, sampler: AnchorSampler, wi
           "val_mean_leading_correct": round(float(lead / max(full, 1)), 4)}
 
 
-def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manifests, val_sampler, val_windows,
-                     train_s: float) -> Path:
-  last = last_logged(cfg.out_dir)
-  final = save_longspark_dir(model, Path(cfg.out_dir) / "final", dtype=jnp.bfloat16)
-  info = {
+def drafter_info(model: LongSparkModel, cfg: LongSparkTrainConfig, target_dir) -> dict:
+  """The head of an exported drafter's drafter.json: how it was made, its shape, its target."""
+  return {
       "kind": "longspark",
       "command": " ".join(["longspec" if sys.argv[0].endswith(("cli.py", "longspec")) else sys.argv[0]] + sys.argv[1:]),
       "block_size": cfg.block_size,
@@ -395,6 +684,15 @@ def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manif
       "target_layer_ids": list(model.cfg.target_layer_ids),
       "target": target_name(target_dir),
       "target_weights_sha256": weights_sha256(target_dir),
+  }
+
+
+def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manifests, val_sampler, val_windows,
+                     train_s: float) -> Path:
+  last = last_logged(cfg.out_dir)
+  final = save_longspark_dir(model, Path(cfg.out_dir) / "final", dtype=jnp.bfloat16)
+  info = {
+      **drafter_info(model, cfg, target_dir),
       "data": [{"dir": Path(d).name, **m["counts"], "temperature": m["settings"]["temperature"],
                 "greedy_fraction": m["settings"]["greedy_fraction"],
                 "prompt_tokens": [m["settings"]["min_prompt_tokens"], m["settings"]["max_prompt_tokens"]]}

@@ -67,11 +67,24 @@ def read_draft_vocab(drafter_dir, size: int) -> np.ndarray:
 
 
 def with_draft_vocab(loaded, drafter_dir, size: int | None):
-  """A LoadedDrafter whose params["io"] head is cut to the checkpoint's `size` most frequent tokens (None: as is)."""
+  """A LoadedDrafter whose params["io"] head is cut to the checkpoint's `size` most frequent tokens (None: the
+  draft vocabulary it was trained with, drafter.json's draft_vocab_size, else as is)."""
+  if size is None:
+    size = trained_draft_vocab(drafter_dir)
   if size is None:
     return loaded
   io = restrict_head(loaded.params["io"], read_draft_vocab(drafter_dir, size))
   return dataclasses.replace(loaded, params={**loaded.params, "io": io})
+
+
+def trained_draft_vocab(drafter_dir) -> int | None:
+  """The draft vocabulary size a block drafter was trained with (its drafter.json's draft_vocab_size; None when
+  trained over the whole vocabulary): out of it the target's head was never trained against, so it drafts with it."""
+  import json
+  from pathlib import Path
+  info = Path(drafter_dir) / "drafter.json"
+  size = json.loads(info.read_text()).get("draft_vocab_size") if info.is_file() else None
+  return int(size) if size else None
 
 
 def restrict_head(io: dict, draft_ids) -> dict:
