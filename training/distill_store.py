@@ -318,6 +318,11 @@ class DistillStore:
     return {**self.read_rows(i, 0, self.windows[i][1]["length"]),
             "generated_from": self.windows[i][1]["generated_from"]}
 
+  def tokens(self, i: int) -> np.ndarray:
+    """Window i's tokens alone (int32)."""
+    shard, w = self.windows[i]
+    return np.asarray(self._array(shard, "tokens")[w["offset"]:w["offset"] + w["length"]], np.int32)
+
   def read_rows(self, i: int, start: int, length: int, taps=None,
                 features: tuple[str, ...] = ("taps", "kv")) -> dict[str, np.ndarray]:
     """Rows [start, start + length) of window i (cut at its end), decoding only what is asked for: the stored

@@ -31,7 +31,7 @@ from flax import nnx
 from longspec_jax import sharding as shd
 from longspec_jax.distributed import is_main_process
 from longspec_jax.attention import dense_masked_attention
-from longspec_jax.drafters.frozen_target import apply_final_norm, head_logits, target_io
+from longspec_jax.drafters.frozen_target import apply_final_norm, head_logits, restrict_head, target_io
 from longspec_jax.drafters.longspark import (LongSparkModel, create_longspark, longspark_config_for, merge_rows,
                                              save_longspark_dir)
 from longspec_jax.hf_io import load_model_dir
@@ -322,7 +322,7 @@ class StoreLongSparkRows:
     return self.store.read_rows(int(i), int(lo), int(hi - lo), taps, features)
 
   def tokens(self, i) -> np.ndarray:
-    return self._read(i, 0, self.lens[i], ())["tokens"].astype(np.int32)
+    return self.store.tokens(int(i))
 
   def window_kv(self, i, lo, hi):
     """K/V rows [lo, hi) of window i as [L, rows, Hkv, D] each (rows outside the window are zero)."""
@@ -413,6 +413,21 @@ class AnchorSampler:
     return out
 
 
+def device_batches(run, samplers, batch_size: int, extra: dict):
+  """batch_fn(step) for Run.train: the samplers take turns (each keeps its own fixed shapes, so the step compiles
+  once per sampler); K/V stacks [L, B, ...] are sharded on their batch axis, the rest on the first; `extra` (already
+  placed) is added to every batch."""
+  batch_sharding = shd.batch_sharding(run.mesh)
+  kv_sharding = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, "data"))
+
+  def batch_fn(step):
+    b = samplers[step % len(samplers)].batch(step, batch_size)
+    on_device = {k: jax.device_put(v, kv_sharding if k in ("pre_k", "pre_v", "slab_k", "slab_v")
+                                   else batch_sharding) for k, v in b.items()}
+    return dict(on_device, **extra)
+  return batch_fn
+
+
 def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   """Trains LongSpark; returns the exported drafter directory (or the checkpoint dir when stopped early)."""
   if cfg.store_dir:
@@ -450,18 +465,10 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
   graphdef, params = nnx.split(model)
   run = start_run(cfg, params, resume=resume)
   io = run.replicate(target_io(target, final_norm=True))
-  batch_sharding = shd.batch_sharding(run.mesh)
-  kv_sharding = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, "data"))
-
   scale = boundary_scale(samplers, cfg.batch_size) if cfg.normalize_boundary else None
   extra = {"io": io} if scale is None else {"io": io, "boundary_scale": run.replicate(scale)}
 
-  def batch_fn(step):
-    # Data dirs take turns (each keeps its own fixed shapes, so the step compiles once per dir).
-    b = samplers[step % len(samplers)].batch(step, cfg.batch_size)
-    on_device = {k: jax.device_put(v, kv_sharding if k in ("pre_k", "pre_v", "slab_k", "slab_v")
-                                   else batch_sharding) for k, v in b.items()}
-    return dict(on_device, **extra)
+  batch_fn = device_batches(run, samplers, cfg.batch_size, extra)  # data dirs take turns
 
   def loss_fn(p, batch):
     return longspark_loss(nnx.merge(graphdef, p), batch)
@@ -482,11 +489,10 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
 def store_head(io: dict, draft_ids) -> tuple[dict, np.ndarray]:
   """(io whose LM head covers only `draft_ids`, t2d [V]: a target id's column in it or -1). Training reads logits
   over the draft vocabulary alone; the full embedding stays (the block's pending token can be any id)."""
-  vocab = io["embed"].shape[0]
-  rows = io["lm_head"].T if "lm_head" in io else io["embed"]  # [V, H]
-  t2d = np.full(vocab, -1, np.int32)
+  rows = restrict_head(io, draft_ids)["draft_head"]  # [N, H], ids checked there
+  t2d = np.full(io["embed"].shape[0], -1, np.int32)
   t2d[np.asarray(draft_ids)] = np.arange(len(draft_ids), dtype=np.int32)
-  return {**io, "lm_head": jnp.asarray(rows)[np.asarray(draft_ids)].T}, t2d
+  return {**io, "lm_head": rows.T}, t2d
 
 
 def store_stats_fn(graphdef, kind: str):
@@ -580,14 +586,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
                                      if cfg.normalize_boundary else None}))
   local_extra = {"io": io, **extra}
   extra = {k: run.replicate(v) for k, v in local_extra.items()}
-  batch_sharding = shd.batch_sharding(run.mesh)
-  kv_sharding = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, "data"))
-
-  def batch_fn(step):
-    b = sampler.batch(step, cfg.batch_size)
-    on_device = {k: jax.device_put(v, kv_sharding if k in ("pre_k", "pre_v", "slab_k", "slab_v")
-                                   else batch_sharding) for k, v in b.items()}
-    return dict(on_device, **extra)
+  batch_fn = device_batches(run, [sampler], cfg.batch_size, extra)
 
   def loss_fn(p, batch):
     return longspark_loss(nnx.merge(graphdef, p), batch, kind)
