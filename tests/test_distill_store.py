@@ -265,7 +265,7 @@ def test_longspark_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   kept = json.loads((tmp_path / "ls" / "store_run.json").read_text())  # what a resumed run keeps as the store grows
   held_out = ds.split_windows(store, 0, 0.3)[1]
   assert kept["held_out_windows"] == [store.windows[i][1]["window"] for i in held_out]
-  assert np.asarray(kept["boundary_scale"]).shape == (1, 32)
+  assert np.asarray(kept["input_scale"]).shape == (1, 32)
   info = json.loads((final / "drafter.json").read_text())
   assert info["loss"] == "kl" and info["draft_vocab_size"] == 64 and info["data"][0]["train_windows"] > 0
   assert len(info["val_top1_per_slot"]) == 3 and str(root) not in json.dumps(info)
@@ -290,11 +290,74 @@ def test_longspark_trains_from_the_store_and_stays_lossless(setup, tmp_path):
     from_dict(LongSparkTrainConfig, dict(store_dir="s", draft_vocab_size=64, markov_rank=8))
 
 
+def test_dflash_trains_from_the_store_and_stays_lossless(setup, tmp_path):
+  """DFlash from the store: a batch holds the store's rows (taps of the window, slot k's soft label = the target's
+  distribution at row a + k - 1), the log carries held-out tau_sim, a resumed run keeps its held-out windows and
+  tap scale, the export drafts over its draft vocabulary by default and is lossless against the target."""
+  from longspec_jax.drafters.dflash import load_dflash
+  from longspec_jax.inference.generate import generate
+  from longspec_jax.targets import load_target
+  from longspec_jax.training.distill_store import StoreWindows
+  from longspec_jax.training.drafter_common import draw_windows, tau_sim
+  from longspec_jax.training.train_dflash import DFlashTrainConfig, StoreBlockSampler, train_dflash
+  from longspec_jax.yaml_config import from_dict
+  root, model_dir, _ = setup
+  store_dir = build_distill_store(_cfg(setup, "plain"), show_progress=False)
+  store = DistillStore(store_dir)
+  cfg = from_dict(DFlashTrainConfig, dict(
+      store_dir=str(store_dir), distill="kl", out_dir=str(tmp_path / "df"), num_layers=1, num_target_taps=1,
+      model=dict(intermediate_size=32), block_size=4, context_len=48, anchors_per_window=5, draft_vocab_size=64,
+      normalize_taps=True, init_from_target=True, batch_size=2, steps=4, eval_every=2,
+      optim=dict(lr=0.02, warmup_steps=1), val_fraction=0.3, val_windows=2, compute_dtype="float32", log_every=1,
+      checkpoint_every_minutes=100.0))
+
+  windows = np.arange(len(store.windows))
+  sampler = StoreBlockSampler(StoreWindows(store, windows, 48, (2,), 1, 0), cfg)
+  b = sampler.batch(3, 2)
+  _, picks, offs, _ = draw_windows(store.window_lengths(), 0, 3, 2, 48, slice(None))
+  checked = 0
+  for r, (i, off) in enumerate(zip(picks, offs)):
+    whole = store.read_window(int(windows[i]))
+    n = min(len(whole["tokens"]) - off, 48)
+    np.testing.assert_array_equal(b["taps"][r, :n], whole["taps"][off:off + n, 1:2])  # tap 2 = the last layer's out
+    for a, anchor in enumerate(b["anchors"][r]):
+      assert 1 <= anchor <= n - 2
+      for k in range(3):  # slot k predicts x_{a+k+1}
+        if b["label_w"][r, a, k] > 0:
+          assert b["labels"][r, a, k] == whole["tokens"][off + anchor + k + 1]
+          np.testing.assert_array_equal(b["topk_ids"][r, a, k], whole["topk_ids"][off + anchor + k])
+          np.testing.assert_array_equal(b["topk_logprobs"][r, a, k], whole["topk_logprobs"][off + anchor + k])
+          checked += 1
+  assert checked > 0
+
+  final = train_dflash(cfg)
+  log = [json.loads(l) for l in (tmp_path / "df" / "train_log.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in log if "val_tau_sim" in r] == [2, 4]
+  assert log[-1]["val_tau_sim"] == pytest.approx(tau_sim([log[-1][f"val_acc_{j}"] for j in range(3)]), abs=1e-3)
+  kept = json.loads((tmp_path / "df" / "store_run.json").read_text())
+  assert kept["held_out_windows"] == [store.windows[i][1]["window"] for i in ds.split_windows(store, 0, 0.3)[1]]
+  assert np.asarray(kept["input_scale"]).shape == (1, 32)
+  info = json.loads((final / "drafter.json").read_text())
+  assert info["loss"] == "kl" and info["draft_vocab_size"] == 64 and info["init_from_target"]
+  assert len(info["val_top1_per_slot"]) == 3 and str(root) not in json.dumps(info)
+  target = load_target(model_dir)
+  drafter = load_dflash(final, target)
+  counts = store.argmax_counts(ds.split_windows(store, 0, 0.3)[0], target.cfg.vocab_size)
+  assert set(np.asarray(drafter.params["io"]["draft_ids"]).tolist()) == set(
+      np.argsort(-counts, kind="stable")[:64].tolist())
+  prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
+  ar = generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=drafter, num_draft=3).tokens == ar
+  for bad, match in ((dict(draft_vocab_size=64), "need store_dir"), (dict(store_dir="s", distill="ce"), "distill")):
+    with pytest.raises(ValueError, match=match):
+      from_dict(DFlashTrainConfig, bad)
+
+
 def test_soft_label_stats_with_a_draft_vocabulary_by_hand():
   """Block logits over a draft vocabulary: teacher ids map through t2d, ids outside it go to the rest bucket (kl)
   or take the slot out of the loss (hard), per-slot sums and hits as computed by hand."""
   from longspec_jax.training.losses import topk_distillation
-  from longspec_jax.training.train_longspark import soft_label_stats
+  from longspec_jax.training.drafter_common import soft_label_stats
   rng = np.random.default_rng(0)
   t2d = np.asarray([-1, 0, 1, -1, 2], np.int32)  # target vocab 5, draft vocab = target ids 1, 2, 4
   logits = jnp.asarray(rng.normal(size=(1, 2, 2, 3)), jnp.float32)  # [B, A, B_s, draft vocab]

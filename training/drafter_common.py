@@ -16,6 +16,7 @@ from longspec_jax.config import ModelConfig
 from longspec_jax.distributed import is_main_process
 from longspec_jax.model import param_count
 from longspec_jax.training.drafter_data import load_drafter_data, weights_sha256
+from longspec_jax.training.losses import cross_entropy, topk_distillation
 
 
 def data_target(manifest: dict, data_dir, target_dir: str = "") -> tuple[Path, ModelConfig]:
@@ -194,3 +195,103 @@ def write_draft_vocab(directory, ids, store, train_windows: int) -> Path:
                               "source": f"target argmax counts over the {train_windows} train windows of the "
                                         f"distillation store {store.dir.name}"}))
   return path
+
+
+def store_head(io: dict, draft_ids) -> tuple[dict, np.ndarray]:
+  """(io whose LM head covers only `draft_ids`, t2d [V]: a target id's column in it or -1). Training reads logits
+  over the draft vocabulary alone; the full embedding stays (a block's pending token can be any id)."""
+  from longspec_jax.drafters.frozen_target import restrict_head
+  rows = restrict_head(io, draft_ids)["draft_head"]  # [N, H], ids checked there
+  t2d = np.full(io["embed"].shape[0], -1, np.int32)
+  t2d[np.asarray(draft_ids)] = np.arange(len(draft_ids), dtype=np.int32)
+  return {**io, "lm_head": rows.T}, t2d
+
+
+def soft_label_stats(logits, batch, kind: str):
+  """(per-slot loss sums [B_s], hits on the target's argmax [B, A, B_s], weights [B, A, B_s]) of block logits
+  [B, A, B_s, V] against the store's top-k labels ("topk_ids" / "topk_logprobs" [B, A, B_s, k]). With a draft
+  vocabulary the logits cover only its tokens and batch["t2d"] [V] maps a target id to its column (-1: outside,
+  moved into the rest bucket; for "hard", a slot whose argmax is outside carries no loss)."""
+  ids, w, keep = batch["topk_ids"], batch["label_w"], None
+  if "t2d" in batch:
+    ids = batch["t2d"][ids]
+    keep = ids >= 0
+    w = w * keep[..., 0] if kind == "hard" else w
+    ids = jnp.maximum(ids, 0)
+  slots = []
+  for j in range(logits.shape[-2]):
+    mean, total = topk_distillation(logits[..., j, :], ids[..., j, :], batch["topk_logprobs"][..., j, :], kind,
+                                    w[..., j], None if keep is None else keep[..., j, :])
+    slots.append(mean * total)
+  loss_sums = jnp.stack(slots)
+  hit = jnp.argmax(logits, -1) == ids[..., 0]
+  if keep is not None:
+    hit = hit & keep[..., 0]
+  return loss_sums, hit, w
+
+
+def block_loss(logits, batch, distill: str = ""):
+  """A block drafter's training loss from its block logits [B, A, B_s, V]: CE on the data's next tokens
+  ("labels"), or with `distill` the loss of that kind against the store's soft labels; slot weights in label_w."""
+  if distill:
+    loss_sums, hit, w = soft_label_stats(logits, batch, distill)
+    loss = jnp.sum(loss_sums) / jnp.maximum(jnp.sum(w), 1e-9)
+  else:
+    loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
+    hit, w = jnp.argmax(logits, -1) == batch["labels"], batch["label_w"]
+  hit = hit & (w > 0)
+  return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(w[..., 0] > 0), 1)}
+
+
+def block_stats_fn(logits_fn, kind: str):
+  """Jitted (params, batch) -> (per-slot loss sums, hits on the target's argmax, labelled slots), summed over the
+  batch: what store_evaluator adds up. logits_fn(params, batch) -> block logits. Every loss kind is scored alike
+  (an argmax outside the draft vocabulary is a miss); slot weights are the batch's label_w (flat held out)."""
+  @jax.jit
+  def stats(params, batch):
+    loss_sums, hit, _ = soft_label_stats(logits_fn(params, batch), batch, kind)
+    real = batch["label_w"] > 0
+    return loss_sums, jnp.sum(hit & real, (0, 1)), jnp.sum(real, (0, 1))
+  return stats
+
+
+def kept_store_split(out_dir, store, seed: int, val_fraction: float, resume: bool, input_scale_fn=None):
+  """(train windows, held-out windows, input scale or None) of a run on a distillation store. A resumed run keeps
+  what its first start fixed while the store grows, in out_dir/store_run.json: the held-out windows (the curve's
+  anchors stay the same; windows added later on the held-out side of split_windows stay unused, so a store-wide
+  evaluation never scores a window trained on) and the input scale `input_scale_fn(train windows)` made."""
+  from longspec_jax.training.distill_store import split_windows
+  train_w, val_w = split_windows(store, seed, val_fraction)
+  path = Path(out_dir) / "store_run.json"
+  kept = json.loads(path.read_text()) if resume and path.exists() else None
+  if kept:
+    position = {w["window"]: i for i, (_, w) in enumerate(store.windows)}
+    val_w = np.asarray([position[n] for n in kept["held_out_windows"]])
+    scale = None if kept["input_scale"] is None else np.asarray(kept["input_scale"], np.float32)
+    return train_w, val_w, scale
+  scale = input_scale_fn(train_w) if input_scale_fn else None
+  if is_main_process():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"held_out_windows": [store.windows[i][1]["window"] for i in val_w],
+                                "input_scale": None if scale is None else scale.tolist()}))
+  return train_w, val_w, scale
+
+
+def copy_target_layers(layers, target_layers) -> None:
+  """`init_from_target`: each drafter decoder layer <- the paired target layer where shapes allow (q/k/v/o and the
+  two norms match: the drafters' layers take the target's width and heads); a narrower MLP takes the target MLP's
+  first channels. A target without q/k norms leaves the drafter's at their initial ones."""
+  for layer, t in zip(layers, target_layers):
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      getattr(layer.self_attn, name).kernel[...] = getattr(t.self_attn, name).kernel[...].astype(
+          getattr(layer.self_attn, name).kernel[...].dtype)
+    for name in ("input_layernorm", "post_attention_layernorm"):
+      getattr(layer, name).scale[...] = getattr(t, name).scale[...]
+    f = layer.mlp.gate_proj.kernel.shape[1]
+    if f > t.mlp.gate_proj.kernel.shape[1]:
+      raise ValueError(f"init_from_target: the drafter's MLP ({f}) is wider than the target's "
+                       f"({t.mlp.gate_proj.kernel.shape[1]})")
+    cast = lambda x: x.astype(layer.mlp.gate_proj.kernel[...].dtype)  # noqa: E731
+    layer.mlp.gate_proj.kernel[...] = cast(t.mlp.gate_proj.kernel[...][:, :f])
+    layer.mlp.up_proj.kernel[...] = cast(t.mlp.up_proj.kernel[...][:, :f])
+    layer.mlp.down_proj.kernel[...] = cast(t.mlp.down_proj.kernel[...][:f])

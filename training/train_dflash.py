@@ -26,10 +26,13 @@ from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
-from longspec_jax.training.losses import cross_entropy
-from longspec_jax.training.drafter_common import (check_token_ids, draw_windows, fold_input_scale,
-                                                   inverse_median_scale, last_logged, load_data_dirs, make_tap_fn,
-                                                   pad_token, split_indices, train_to_export, write_drafter_json)
+from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
+from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, check_token_ids, copy_target_layers,
+                                                   draw_windows, fold_input_scale, inverse_median_scale,
+                                                   kept_store_split, last_logged, load_data_dirs, make_tap_fn,
+                                                   pad_token, split_indices, store_evaluator, store_head,
+                                                   store_target, train_to_export, write_draft_vocab,
+                                                   write_drafter_json)
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
@@ -66,6 +69,17 @@ class DFlashTrainConfig(RunConfig):
   val_fraction: float = 0.05
   val_windows: int = 64
   compute_dtype: str = "bfloat16"
+  # A distillation store (`longspec make-distill-store` with the drafter's taps in --taps) replaces data_dirs:
+  # windows of context_len rows cut from the store's windows (corpus text and the target's own continuations),
+  # anchors anywhere in them, and the labels are the target's top-k next-token distribution at each slot (`distill`).
+  store_dir: str = ""
+  distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); training.losses
+  # With a store: the LM head over the N tokens most often the target's argmax on the store's train windows, in
+  # training and, by default, when the exported drafter drafts (as in train_longspark). 0 = all.
+  draft_vocab_size: int = 0
+  # Start the drafter's layers from the target's last num_layers layers (drafter_common.copy_target_layers): the
+  # drafter turns context features into next-token predictions, the target's top layers' job.
+  init_from_target: bool = False
 
   def __post_init__(self):
     self.require_positive("num_layers", "num_target_taps", "context_len", "anchors_per_window", "batch_size", "steps",
@@ -73,10 +87,14 @@ class DFlashTrainConfig(RunConfig):
     if self.block_size < 2 or self.gamma <= 0 or not 0 <= self.val_fraction < 1:
       raise ValueError(f"need block_size >= 2, gamma > 0 and 0 <= val_fraction < 1, got {self.block_size}, "
                        f"{self.gamma}, {self.val_fraction}")
-    if not self.data_dirs:
-      raise ValueError("data_dirs is empty")
+    if not self.data_dirs and not self.store_dir:
+      raise ValueError("data_dirs is empty (or give store_dir)")
     if not 0.0 <= self.anywhere_fraction <= 1.0:
       raise ValueError(f"anywhere_fraction must be in [0, 1], got {self.anywhere_fraction}")
+    if (self.distill or self.draft_vocab_size) and not self.store_dir:
+      raise ValueError("distill and draft_vocab_size need store_dir (soft labels come from a distillation store)")
+    if self.distill not in ("",) + DISTILL_KINDS:
+      raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
 
 
 class BlockSampler:
@@ -151,12 +169,10 @@ def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors, tap_scale
   return head_logits(io, h.reshape(b, a, bs, -1)[:, :, 1:])
 
 
-def dflash_loss(model, batch):
+def dflash_loss(model, batch, distill: str = ""):
   logits = dflash_train_logits(model, batch["io"], batch["taps"], batch["tokens"], batch["anchors"],
                                batch.get("tap_scale"))
-  loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
-  hit = (jnp.argmax(logits, -1) == batch["labels"]) & (batch["label_w"] > 0)
-  return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(batch["label_w"][..., 0] > 0), 1)}
+  return block_loss(logits, batch, distill)
 
 
 def _load_rows(cfg: DFlashTrainConfig):
@@ -173,6 +189,8 @@ def _load_rows(cfg: DFlashTrainConfig):
 
 def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   """Trains DFlash; returns the exported drafter directory (or the checkpoint dir when stopped early)."""
+  if cfg.store_dir:
+    return train_dflash_from_store(cfg, resume)
   train_rows, val_rows, target_dir, target_cfg, manifests, datasets = _load_rows(cfg)
   target = load_model_dir(target_dir)
   dcfg = dflash_config_for(target_cfg, num_layers=cfg.num_layers, num_target_taps=cfg.num_target_taps,
@@ -201,8 +219,9 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
 
   scale = None
   if cfg.normalize_taps:
-    scale = tap_scale(samplers[0], lambda b: target_taps(with_taps(b, cached, dcfg.taps, model.dtype)),
-                      cfg.batch_size)
+    batches = [target_taps(with_taps(samplers[0].batch(10**12 + i, cfg.batch_size), cached, dcfg.taps, model.dtype))
+               for i in range(8)]  # steps no training run reaches
+    scale = tap_scale([{**b, "real": np.asarray(b["tokens"]) != pad_id} for b in batches])
   extra = {"io": io} if scale is None else {"io": io, "tap_scale": run.replicate(scale)}
 
   def batch_fn(step):
@@ -243,15 +262,10 @@ def block_samplers(train_rows, cfg: DFlashTrainConfig, pad_id: int, dir_ends) ->
   return out
 
 
-def tap_scale(sampler: BlockSampler, window_taps, batch_size: int, num_batches: int = 8) -> np.ndarray:
-  """[n, H] float32: 1 / median |tap| per (tap, dimension) over the first training batches' real rows (the
-  median ignores the few huge attention-sink rows)."""
-  taps = []
-  for i in range(num_batches):
-    batch = window_taps(sampler.batch(10**12 + i, batch_size))  # a step no training run reaches
-    real = np.asarray(batch["tokens"]) != sampler.pad_id
-    taps.append(np.abs(np.asarray(batch["taps"], np.float32)[real]))
-  return inverse_median_scale(taps)
+def tap_scale(batches) -> np.ndarray:
+  """[n, H] float32: 1 / median |tap| per (tap, dimension) over the real rows ("real" [B, C]) of batches that no
+  training step draws (the median ignores the few huge attention-sink rows)."""
+  return inverse_median_scale([np.abs(np.asarray(b["taps"], np.float32)[b["real"]]) for b in batches])
 
 
 def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows, pad_id: int, cached=None) -> dict:
@@ -313,3 +327,137 @@ def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target, target_dir
       **validation_metrics(model, target, cfg, val_rows, pad_id, cached),
   }
   return write_drafter_json(final, info, last=last, train_s=train_s, model=model)
+
+
+# --- training from a distillation store ------------------------------------------------------------------------
+
+class StoreBlockSampler:
+  """DFlash blocks from a distillation store: windows of context_len rows (`StoreWindows`: tokens, the drafter's
+  taps, the target's top-k distribution at every row), A anchors drawn in each among the rows that have context
+  and a label after them; slot k's labels are x_{a+k} and the target's distribution of it, stored at row
+  a + k - 1. The batch for step s is a pure function of (seed, s), so a resumed run replays it."""
+
+  def __init__(self, windows, cfg: DFlashTrainConfig):
+    self.windows, self.cfg = windows, cfg
+    self.slot_weight = np.exp(-np.arange(cfg.block_size - 1) / cfg.gamma).astype(np.float32)
+
+  def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
+    cfg = self.cfg
+    c, bs = cfg.context_len, cfg.block_size
+    b = self.windows.batch(step, batch_size, rows)
+    u = np.random.default_rng([self.windows.seed, step, 1]).random((batch_size, cfg.anchors_per_window))[rows]
+    valid = b["valid"]
+    anchors = (1 + u * np.maximum(valid - 2, 1)[:, None]).astype(np.int32)  # in [1, valid - 2]
+    tgt = anchors[..., None] + np.arange(1, bs)[None, None, :]  # [B, A, B_s - 1]
+    at = lambda x, pos: np.take_along_axis(  # noqa: E731  x [B, C, ...] at positions [B, A, S]
+        x, np.minimum(pos, c - 1).reshape(len(x), -1, *([1] * (x.ndim - 2))), 1).reshape(*pos.shape, *x.shape[2:])
+    return {"tokens": b["tokens"], "taps": b["taps"], "anchors": anchors, "labels": at(b["tokens"], tgt),
+            "label_w": ((tgt < valid[:, None, None]) * self.slot_weight).astype(np.float32),
+            "topk_ids": at(b["topk_ids"], tgt - 1), "topk_logprobs": at(b["topk_logprobs"], tgt - 1),
+            "real": np.arange(c)[None, :] < valid[:, None]}
+
+
+def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
+  """train_dflash on a distillation store: blocks anywhere in windows of the store's train split, taps from the
+  store, the loss `cfg.distill` against the target's soft labels at every slot, the LM head over the draft
+  vocabulary; held-out per-slot top-1 agreement and tau_sim every eval_every steps."""
+  from longspec_jax.hf_io import load_model_dir
+  from longspec_jax.training.distill_store import DistillStore, StoreWindows
+
+  kind = cfg.distill or "kl"
+  store = DistillStore(cfg.store_dir)
+  target_dir = Path(cfg.target_dir) if cfg.target_dir else store_target(store)
+  target = load_model_dir(target_dir)
+  dcfg = dflash_config_for(target.cfg, num_layers=cfg.num_layers, num_target_taps=cfg.num_target_taps,
+                           block_size=cfg.block_size,
+                           mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id, **cfg.model)
+  pad_id = pad_token(target.cfg)
+  dtype = jnp.dtype(cfg.compute_dtype)
+
+  def sampler(windows, seed, gamma=cfg.gamma):
+    return StoreBlockSampler(StoreWindows(store, windows, cfg.context_len, dcfg.taps, pad_id, seed),
+                             dataclasses.replace(cfg, gamma=gamma))
+
+  def scale_fn(windows):  # from batches no training step draws
+    return tap_scale([sampler(windows, cfg.seed).batch(10**12 + i, cfg.batch_size) for i in range(8)])
+
+  train_w, val_w, scale = kept_store_split(cfg.out_dir, store, cfg.seed, cfg.val_fraction, resume,
+                                           scale_fn if cfg.normalize_taps else None)
+  train_sampler = sampler(train_w, cfg.seed)
+  val_sampler = sampler(val_w, cfg.seed + 1, gamma=1e9)  # held out: every slot counts alike
+  vocab_order = np.argsort(-store.argmax_counts(train_w, target.cfg.vocab_size), kind="stable")
+  draft_ids = vocab_order[:cfg.draft_vocab_size] if cfg.draft_vocab_size else None
+
+  model = create_dflash(dcfg, seed=cfg.seed, dtype=dtype)
+  if cfg.init_from_target:
+    copy_target_layers(model.layers, target.layers[-cfg.num_layers:])
+  train_tokens = int(train_sampler.windows.lens.sum())
+  print(f"DFlash drafter from the distillation store {store.dir}: {param_count(model) / 1e6:.2f}M parameters, target "
+        f"layers {dcfg.target_layer_ids}, {len(train_w)} train windows ({train_tokens} tokens) / {len(val_w)} "
+        f"held-out, draft vocabulary {cfg.draft_vocab_size or target.cfg.vocab_size}, loss {kind}, window "
+        f"{cfg.context_len} x {cfg.anchors_per_window} anchors, block {cfg.block_size}")
+
+  graphdef, params = nnx.split(model)
+  run = start_run(cfg, params, resume=resume, record=dataclasses.asdict(cfg))
+  local_extra = {"io": target_io(target)}
+  if draft_ids is not None:
+    local_extra["io"], local_extra["t2d"] = store_head(local_extra["io"], draft_ids)
+  if scale is not None:
+    local_extra["tap_scale"] = scale
+  extra = {k: run.replicate(v) for k, v in local_extra.items()}
+
+  def cast(b):
+    b = {k: v for k, v in b.items() if k != "real"}
+    return {**b, "taps": b["taps"].astype(dtype)}
+
+  def batch_fn(step):
+    return {**run.batch(lambda r: cast(train_sampler.batch(step, cfg.batch_size, r)), cfg.batch_size), **extra}
+
+  def logits_fn(p, batch):
+    return dflash_train_logits(nnx.merge(graphdef, p), batch["io"], batch["taps"], batch["tokens"],
+                               batch["anchors"], batch.get("tap_scale"))
+
+  def loss_fn(p, batch):
+    return block_loss(logits_fn(p, batch), batch, kind)
+
+  stats = block_stats_fn(logits_fn, kind)
+  evaluate = store_evaluator(lambda p, b: stats(p, {**cast(b), **local_extra}), val_sampler, cfg.batch_size,
+                             cfg.val_windows)
+  t0 = time.time()
+  trained, stopped = train_to_export(run, loss_fn, batch_fn, desc="train-drafter dflash (store)",
+                                     tokens_fn=lambda s: cfg.batch_size * cfg.context_len, evaluate=evaluate)
+  if stopped:
+    return stopped
+  held_out = evaluate(trained)
+  trained = nnx.merge(graphdef, trained)
+  if scale is not None:
+    fold_input_scale(trained.fc, scale)
+  last = last_logged(cfg.out_dir)
+  final = save_dflash_dir(trained, Path(cfg.out_dir) / "final", dtype=jnp.bfloat16)
+  if draft_ids is not None:
+    write_draft_vocab(final, vocab_order[:max(cfg.draft_vocab_size, 16384)], store, len(train_w))
+  info = {
+      "kind": "dflash",
+      "n0": cfg.context_len,
+      "block_size": cfg.block_size,
+      "target_layer_ids": list(trained.cfg.target_layer_ids),
+      "target": target_name(target_dir),
+      "target_weights_sha256": weights_sha256(target_dir),
+      "data": [{"distill_store": store.dir.name, "stored_tokens": store.index["stored_tokens"],
+                "train_windows": len(train_w), "train_tokens": train_tokens, "held_out_windows": len(val_w),
+                "store_settings": {k: store.settings[k] for k in ("window_tokens", "topk", "feature_dtype",
+                                                                  "on_policy_fraction", "taps")}}],
+      "loss": kind,
+      "draft_vocab_size": cfg.draft_vocab_size or None,  # the default --draft-vocab when it drafts
+      "steps": cfg.steps,
+      "batch_size": cfg.batch_size,
+      "anchors_per_window": cfg.anchors_per_window,
+      "gamma": cfg.gamma,
+      "init_from_target": cfg.init_from_target,
+      "tokens_seen": last.get("tokens"),
+      "normalize_taps": cfg.normalize_taps,
+      "target_taps_from": f"distillation store ({store.settings['feature_dtype']})",
+      "val_top1_per_slot": [held_out[f"val_acc_{j}"] for j in range(cfg.block_size - 1)],
+      "val_tau_sim": held_out["val_tau_sim"],
+  }
+  return write_drafter_json(final, info, last=last, train_s=time.time() - t0, model=trained)

@@ -18,7 +18,6 @@ The Markov term is teacher-forced: slot j's previous token is x_{a+j}.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,9 +28,8 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
-from longspec_jax.distributed import is_main_process
 from longspec_jax.attention import dense_masked_attention
-from longspec_jax.drafters.frozen_target import apply_final_norm, head_logits, restrict_head, target_io
+from longspec_jax.drafters.frozen_target import apply_final_norm, head_logits, target_io
 from longspec_jax.drafters.longspark import (LongSparkModel, create_longspark, longspark_config_for, merge_rows,
                                              save_longspark_dir)
 from longspec_jax.hf_io import load_model_dir
@@ -40,10 +38,11 @@ from longspec_jax.rope import apply_rope, rope_frequencies
 from longspec_jax.pallas_kernels.length_masked_attention import merge_attention_views
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
-from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy, topk_distillation
-from longspec_jax.training.drafter_common import (fold_input_scale, inverse_median_scale, last_logged,
-                                                   load_data_dirs, store_evaluator, store_target, train_to_export,
-                                                   write_draft_vocab, write_drafter_json)
+from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
+from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, copy_target_layers, fold_input_scale,
+                                                   inverse_median_scale, kept_store_split, last_logged,
+                                                   load_data_dirs, store_evaluator, store_head, store_target,
+                                                   train_to_export, write_draft_vocab, write_drafter_json)
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
@@ -210,41 +209,10 @@ def batch_logits(model, batch):
                                 batch["slab_k"], batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))
 
 
-def soft_label_stats(logits, batch, kind: str):
-  """(per-slot loss sums [B_s], hits on the target's argmax [B, A, B_s], weights [B, A, B_s]) of block logits
-  against the store's top-k labels ("topk_ids" / "topk_logprobs" [B, A, B_s, k]). With a draft vocabulary the
-  logits cover only its tokens and batch["t2d"] [V] maps a target id to its column (-1: outside, moved into the
-  rest bucket; for "hard", a slot whose argmax is outside carries no loss)."""
-  ids, w, keep = batch["topk_ids"], batch["label_w"], None
-  if "t2d" in batch:
-    ids = batch["t2d"][ids]
-    keep = ids >= 0
-    w = w * keep[..., 0] if kind == "hard" else w
-    ids = jnp.maximum(ids, 0)
-  slots = []
-  for j in range(logits.shape[-2]):
-    mean, total = topk_distillation(logits[..., j, :], ids[..., j, :], batch["topk_logprobs"][..., j, :], kind,
-                                    w[..., j], None if keep is None else keep[..., j, :])
-    slots.append(mean * total)
-  loss_sums = jnp.stack(slots)
-  hit = jnp.argmax(logits, -1) == ids[..., 0]
-  if keep is not None:
-    hit = hit & keep[..., 0]
-  return loss_sums, hit, w
-
-
 def longspark_loss(model, batch, distill: str = ""):
   """Training loss: CE on the data's next tokens, or with `distill` the loss of that kind against the store's
   soft labels (slot weights in label_w)."""
-  logits = batch_logits(model, batch)
-  if distill:
-    loss_sums, hit, w = soft_label_stats(logits, batch, distill)
-    loss = jnp.sum(loss_sums) / jnp.maximum(jnp.sum(w), 1e-9)
-  else:
-    loss, _ = cross_entropy(logits, batch["labels"], batch["label_w"])
-    hit, w = jnp.argmax(logits, -1) == batch["labels"], batch["label_w"]
-  hit = hit & (w > 0)
-  return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(w[..., 0] > 0), 1)}
+  return block_loss(batch_logits(model, batch), batch, distill)
 
 
 def drafter_config(cfg: LongSparkTrainConfig, target_cfg):
@@ -255,23 +223,9 @@ def drafter_config(cfg: LongSparkTrainConfig, target_cfg):
 
 
 def init_from_target_layers(model: LongSparkModel, target) -> None:
-  """`init_from_target`: drafter layer i <- target layer target_layer_ids[i] where shapes allow (q/k/v/o and the
-  two norms always match: LongSpark layers take the target's width and heads); a narrower MLP takes the target
-  MLP's first channels. A target without q/k norms leaves the drafter's at their initial ones."""
-  for layer, t in zip(model.parallel_qwen_layers, (target.layers[i] for i in model.cfg.target_layer_ids)):
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      getattr(layer.self_attn, name).kernel[...] = getattr(t.self_attn, name).kernel[...].astype(
-          getattr(layer.self_attn, name).kernel[...].dtype)
-    for name in ("input_layernorm", "post_attention_layernorm"):
-      getattr(layer, name).scale[...] = getattr(t, name).scale[...]
-    f = layer.mlp.gate_proj.kernel.shape[1]
-    if f > t.mlp.gate_proj.kernel.shape[1]:
-      raise ValueError(f"init_from_target: the drafter's MLP ({f}) is wider than the target's "
-                       f"({t.mlp.gate_proj.kernel.shape[1]})")
-    cast = lambda x: x.astype(layer.mlp.gate_proj.kernel[...].dtype)  # noqa: E731
-    layer.mlp.gate_proj.kernel[...] = cast(t.mlp.gate_proj.kernel[...][:, :f])
-    layer.mlp.up_proj.kernel[...] = cast(t.mlp.up_proj.kernel[...][:, :f])
-    layer.mlp.down_proj.kernel[...] = cast(t.mlp.down_proj.kernel[...][:f])
+  """`init_from_target`: drafter layer i <- target layer target_layer_ids[i], the layer whose K/V it reads, so
+  its queries start in the space of the keys it attends over (drafter_common.copy_target_layers)."""
+  copy_target_layers(model.parallel_qwen_layers, [target.layers[i] for i in model.cfg.target_layer_ids])
 
 
 # ---------------------------------------------------------------- the frozen-target feature cache
@@ -486,25 +440,8 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
                           time.time() - t0)
 
 
-def store_head(io: dict, draft_ids) -> tuple[dict, np.ndarray]:
-  """(io whose LM head covers only `draft_ids`, t2d [V]: a target id's column in it or -1). Training reads logits
-  over the draft vocabulary alone; the full embedding stays (the block's pending token can be any id)."""
-  rows = restrict_head(io, draft_ids)["draft_head"]  # [N, H], ids checked there
-  t2d = np.full(io["embed"].shape[0], -1, np.int32)
-  t2d[np.asarray(draft_ids)] = np.arange(len(draft_ids), dtype=np.int32)
-  return {**io, "lm_head": rows.T}, t2d
-
-
 def store_stats_fn(graphdef, kind: str):
-  """Jitted (params, batch) -> (per-slot loss sums, hits on the target's argmax, labelled slots), summed over the
-  batch: what store_evaluator adds up. Every loss kind is scored alike (an argmax outside the draft vocabulary is
-  a miss); slot weights are the batch's label_w (flat in held-out batches)."""
-  @jax.jit
-  def stats(params, batch):
-    loss_sums, hit, _ = soft_label_stats(batch_logits(nnx.merge(graphdef, params), batch), batch, kind)
-    real = batch["label_w"] > 0
-    return loss_sums, jnp.sum(hit & real, (0, 1)), jnp.sum(real, (0, 1))
-  return stats
+  return block_stats_fn(lambda params, batch: batch_logits(nnx.merge(graphdef, params), batch), kind)
 
 
 def evaluate_longspark_on_store(drafter_dir, target, store_dir, *, draws: int = 32, val_fraction: float = 0.03,
@@ -538,7 +475,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   """train_longspark on a distillation store: anchors in windows of the store's train split, K/V and boundary taps
   from the store, the loss `cfg.distill` against the target's soft labels at every slot, the LM head over the draft
   vocabulary; held-out per-slot top-1 agreement and tau_sim every eval_every steps."""
-  from longspec_jax.training.distill_store import DistillStore, split_windows
+  from longspec_jax.training.distill_store import DistillStore
 
   kind = cfg.distill or "kl"
   store = DistillStore(cfg.store_dir)
@@ -546,14 +483,10 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   target = load_model_dir(target_dir)
   dcfg = drafter_config(cfg, target.cfg)
   rows = StoreLongSparkRows(store, dcfg.target_layer_ids)
-  train_w, val_w = split_windows(store, cfg.seed, cfg.val_fraction)
-  # A resumed run keeps what its first start fixed while the store grows: the held-out windows (the curve's
-  # anchors stay the same) and the boundary scale (the drafter's input normalisation).
-  kept_path = Path(cfg.out_dir) / "store_run.json"
-  kept = json.loads(kept_path.read_text()) if resume and kept_path.exists() else None
-  if kept:
-    position = {w["window"]: i for i, (_, w) in enumerate(store.windows)}
-    val_w = np.asarray([position[n] for n in kept["held_out_windows"]])
+  train_w, val_w, scale = kept_store_split(
+      cfg.out_dir, store, cfg.seed, cfg.val_fraction, resume,
+      lambda w: boundary_scale([AnchorSampler(rows, w, cfg, cfg.seed, tail=cfg.tail_rows)], cfg.batch_size)
+      if cfg.normalize_boundary else None)
   sampler = AnchorSampler(rows, train_w, cfg, cfg.seed, tail=cfg.tail_rows)
   flat = dataclasses.replace(cfg, gamma=1e9, position_shift_max=0)  # held out: every slot counts alike
   val_sampler = AnchorSampler(rows, val_w, flat, cfg.seed + 1, tail=cfg.tail_rows)
@@ -577,13 +510,8 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   if draft_ids is not None:
     io, t2d = store_head(io, draft_ids)
     extra["t2d"] = t2d
-  if cfg.normalize_boundary:
-    extra["boundary_scale"] = (np.asarray(kept["boundary_scale"], np.float32) if kept
-                               else boundary_scale([sampler], cfg.batch_size))
-  if not kept and is_main_process():
-    kept_path.write_text(json.dumps({"held_out_windows": [store.windows[i][1]["window"] for i in val_w],
-                                     "boundary_scale": extra["boundary_scale"].tolist()
-                                     if cfg.normalize_boundary else None}))
+  if scale is not None:
+    extra["boundary_scale"] = scale
   local_extra = {"io": io, **extra}
   extra = {k: run.replicate(v) for k, v in local_extra.items()}
   batch_fn = device_batches(run, [sampler], cfg.batch_size, extra)
