@@ -185,15 +185,16 @@ def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
   return np.sort(np.argsort(-counts, kind="stable")[:size])
 
 
-def write_draft_vocab(directory, ids, store, train_windows: int) -> Path:
+def write_draft_vocab(directory, ids, store, train_windows: int, **extra) -> Path:
   """`draft_vocab.json` (what `--draft-vocab N` reads: the first N ids) in `directory`: target ids ordered by how
-  often they are the target's argmax on the store's `train_windows` train windows, most often first."""
+  often they are the target's argmax on the store's `train_windows` train windows, most often first; `extra`
+  fields are recorded beside them."""
   from longspec_jax.drafters.frozen_target import DRAFT_VOCAB_FILE
   path = Path(directory) / DRAFT_VOCAB_FILE
   path.write_text(json.dumps({"ids": [int(i) for i in ids], "target": store.settings["target"],
                               "weights_sha256": store.settings.get("weights_sha256"),
                               "source": f"target argmax counts over the {train_windows} train windows of the "
-                                        f"distillation store {store.dir.name}"}))
+                                        f"distillation store {store.dir.name}", **extra}))
   return path
 
 
