@@ -348,6 +348,13 @@ def test_dflash_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
   ar = generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
   assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=drafter, num_draft=3).tokens == ar
+  # Scored again from the export (bf16 weights, tap scale folded into fc) on the same held-out blocks, it gets what
+  # its last log says.
+  from longspec_jax.training.train_dflash import evaluate_dflash_on_store
+  again = evaluate_dflash_on_store(final, target, store_dir, draws=2, val_fraction=0.3, context_len=48,
+                                   anchors_per_window=5, batch_size=2)
+  assert again["val_tau_sim"] == pytest.approx(log[-1]["val_tau_sim"], abs=0.05)
+  assert again["val_acc_0"] == pytest.approx(log[-1]["val_acc_0"], abs=0.15)
   for bad, match in ((dict(draft_vocab_size=64), "need store_dir"), (dict(store_dir="s", distill="ce"), "distill")):
     with pytest.raises(ValueError, match=match):
       from_dict(DFlashTrainConfig, bad)

@@ -208,6 +208,17 @@ def store_head(io: dict, draft_ids) -> tuple[dict, np.ndarray]:
   return {**io, "lm_head": rows.T}, t2d
 
 
+def trained_head(io: dict, drafter_dir) -> dict:
+  """{"io", and "t2d" when the exported drafter in drafter_dir was trained over a draft vocabulary}: the head it
+  drafts with by default, for scoring it on a store (see store_head)."""
+  from longspec_jax.drafters.frozen_target import read_draft_vocab, trained_draft_vocab
+  size = trained_draft_vocab(drafter_dir)
+  if not size:
+    return {"io": io}
+  io, t2d = store_head(io, read_draft_vocab(drafter_dir, size))
+  return {"io": io, "t2d": t2d}
+
+
 def soft_label_stats(logits, batch, kind: str):
   """(per-slot loss sums [B_s], hits on the target's argmax [B, A, B_s], weights [B, A, B_s]) of block logits
   [B, A, B_s, V] against the store's top-k labels ("topk_ids" / "topk_logprobs" [B, A, B_s, k]). With a draft

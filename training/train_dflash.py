@@ -31,8 +31,8 @@ from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, ch
                                                    draw_windows, fold_input_scale, inverse_median_scale,
                                                    kept_store_split, last_logged, load_data_dirs, make_tap_fn,
                                                    pad_token, split_indices, store_evaluator, store_head,
-                                                   store_target, train_to_export, write_draft_vocab,
-                                                   write_drafter_json)
+                                                   store_target, trained_head, train_to_export,
+                                                   write_draft_vocab, write_drafter_json)
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
@@ -461,3 +461,27 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
       "val_tau_sim": held_out["val_tau_sim"],
   }
   return write_drafter_json(final, info, last=last, train_s=time.time() - t0, model=trained)
+
+
+def evaluate_dflash_on_store(drafter_dir, target, store_dir, *, draws: int = 32, val_fraction: float = 0.03,
+                             seed: int = 0, context_len: int = 512, anchors_per_window: int = 24,
+                             batch_size: int = 8) -> dict:
+  """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an exported DFlash drafter on the store's held-out
+  windows (the split and draws train_dflash_from_store makes with the same seed, val_fraction, window and batch
+  size), `draws` windows, over the draft vocabulary it drafts with (drafter.json): drafters trained any way are
+  compared on the same blocks."""
+  from longspec_jax.drafters.dflash import load_dflash_model
+  from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
+  store = DistillStore(store_dir)
+  model = load_dflash_model(drafter_dir)
+  _, val_w = split_windows(store, seed, val_fraction)
+  cfg = DFlashTrainConfig(store_dir=str(store_dir), block_size=model.cfg.block_size, context_len=context_len,
+                          anchors_per_window=anchors_per_window, gamma=1e9)
+  sampler = StoreBlockSampler(StoreWindows(store, val_w, context_len, model.cfg.taps, pad_token(target.cfg),
+                                           seed + 1), cfg)
+  extra = trained_head(target_io(target), drafter_dir)
+  graphdef, params = nnx.split(model)
+  stats = block_stats_fn(lambda p, b: dflash_train_logits(nnx.merge(graphdef, p), b["io"], b["taps"], b["tokens"],
+                                                          b["anchors"]), "kl")
+  return store_evaluator(lambda p, b: stats(p, {**{k: v for k, v in b.items() if k != "real"}, **extra}),
+                         sampler, batch_size, draws)(params)

@@ -42,7 +42,8 @@ from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, copy_target_layers, fold_input_scale,
                                                    inverse_median_scale, kept_store_split, last_logged,
                                                    load_data_dirs, store_evaluator, store_head, store_target,
-                                                   train_to_export, write_draft_vocab, write_drafter_json)
+                                                   trained_head, train_to_export, write_draft_vocab,
+                                                   write_drafter_json)
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
@@ -451,7 +452,6 @@ def evaluate_longspark_on_store(drafter_dir, target, store_dir, *, draws: int = 
   windows (the split train_longspark_from_store makes with the same seed and val_fraction), `draws` windows of
   `anchors_per_window` anchors each, over the draft vocabulary it drafts with (drafter.json): drafters trained any
   way are compared on the same anchors."""
-  from longspec_jax.drafters.frozen_target import read_draft_vocab, trained_draft_vocab
   from longspec_jax.drafters.longspark import load_longspark_model
   from longspec_jax.training.distill_store import DistillStore, split_windows
   store = DistillStore(store_dir)
@@ -462,10 +462,7 @@ def evaluate_longspark_on_store(drafter_dir, target, store_dir, *, draws: int = 
                              tail_rows=tail_rows, anywhere_fraction=anywhere_fraction)
   sampler = AnchorSampler(StoreLongSparkRows(store, model.cfg.target_layer_ids), val_w, cfg, seed + 1,
                           tail=tail_rows)
-  extra = {"io": target_io(target, final_norm=True)}
-  size = trained_draft_vocab(drafter_dir)
-  if size:
-    extra["io"], extra["t2d"] = store_head(extra["io"], read_draft_vocab(drafter_dir, size))
+  extra = trained_head(target_io(target, final_norm=True), drafter_dir)
   graphdef, params = nnx.split(model)
   stats = store_stats_fn(graphdef, "kl")
   return store_evaluator(lambda p, b: stats(p, {**b, **extra}), sampler, 4, draws)(params)
