@@ -218,18 +218,39 @@ def test_tau_sim_by_hand():
   assert tau_sim([1.0, 0.0, 1.0]) == pytest.approx(2.0)
 
 
+def _check_export(setup, store, final, log, load, rescore, num_slots: int) -> None:
+  """A block drafter exported from a store run: drafter.json records the run and no machine path, the drafter
+  drafts over the 64 tokens most often the target's argmax on the train windows (what it was trained on), greedy
+  equals AR, and `rescore(target)` (the export scored again on the same held-out blocks: bf16 weights, input scale
+  folded in) gets what the run's last log says."""
+  from longspec_jax.inference.generate import generate
+  from longspec_jax.targets import load_target
+  root, model_dir, _ = setup
+  info = json.loads((final / "drafter.json").read_text())
+  assert info["loss"] == "kl" and info["draft_vocab_size"] == 64 and info["data"][0]["train_windows"] > 0
+  assert len(info["val_top1_per_slot"]) == num_slots and str(root) not in json.dumps(info)
+  target = load_target(model_dir)
+  drafter = load(final, target)
+  counts = store.argmax_counts(ds.split_windows(store, 0, 0.3)[0], target.cfg.vocab_size)
+  assert set(np.asarray(drafter.params["io"]["draft_ids"]).tolist()) == set(
+      np.argsort(-counts, kind="stable")[:64].tolist())
+  prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
+  ar = generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=drafter, num_draft=3).tokens == ar
+  again = rescore(target)
+  assert again["val_tau_sim"] == pytest.approx(log[-1]["val_tau_sim"], abs=0.05)
+  assert again["val_acc_0"] == pytest.approx(log[-1]["val_acc_0"], abs=0.15)
+
+
 def test_longspark_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   """LongSpark from the store: a batch holds the store's own rows (K/V slab, boundary taps, slot j's soft label =
   the target's distribution at row a + j), the log carries held-out tau_sim, the export records the store and its
   draft vocabulary (drafted with by default) and the drafter is lossless against the target."""
   from longspec_jax.drafters.longspark import load_longspark
-  from longspec_jax.inference.generate import generate
-  from longspec_jax.targets import load_target
   from longspec_jax.training.drafter_common import tau_sim
   from longspec_jax.training.train_longspark import (AnchorSampler, LongSparkTrainConfig, StoreLongSparkRows,
                                                      train_longspark)
   from longspec_jax.yaml_config import from_dict
-  root, model_dir, _ = setup
   store_dir = build_distill_store(_cfg(setup, "kv01", kv_layers=(0, 1)), show_progress=False)
   cfg = from_dict(LongSparkTrainConfig, dict(
       store_dir=str(store_dir), distill="kl", out_dir=str(tmp_path / "ls"), num_layers=1, block_size=3,
@@ -266,24 +287,10 @@ def test_longspark_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   held_out = ds.split_windows(store, 0, 0.3)[1]
   assert kept["held_out_windows"] == [store.windows[i][1]["window"] for i in held_out]
   assert np.asarray(kept["input_scale"]).shape == (1, 32)
-  info = json.loads((final / "drafter.json").read_text())
-  assert info["loss"] == "kl" and info["draft_vocab_size"] == 64 and info["data"][0]["train_windows"] > 0
-  assert len(info["val_top1_per_slot"]) == 3 and str(root) not in json.dumps(info)
-  target = load_target(model_dir)
-  drafter = load_longspark(final, target)  # drafts over the 64 tokens it was trained on
-  counts = store.argmax_counts(ds.split_windows(store, 0, 0.3)[0], target.cfg.vocab_size)
-  assert set(np.asarray(drafter.params["io"]["draft_ids"]).tolist()) == set(
-      np.argsort(-counts, kind="stable")[:64].tolist())
-  prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
-  ar = generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
-  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=drafter, num_draft=3).tokens == ar
-  # Scored again on the same held-out anchors from the export (bf16 weights, boundary scale folded in), it gets
-  # what its last log says.
   from longspec_jax.training.train_longspark import evaluate_longspark_on_store
-  again = evaluate_longspark_on_store(final, target, store_dir, draws=2, val_fraction=0.3, tail_rows=16,
-                                      anchors_per_window=4, anywhere_fraction=0.8)
-  assert again["val_tau_sim"] == pytest.approx(log[-1]["val_tau_sim"], abs=0.05)
-  assert again["val_acc_0"] == pytest.approx(log[-1]["val_acc_0"], abs=0.15)
+  _check_export(setup, store, final, log, load_longspark, lambda target: evaluate_longspark_on_store(
+      final, target, store_dir, draws=2, val_fraction=0.3, tail_rows=16, anchors_per_window=4,
+      anywhere_fraction=0.8), num_slots=3)
   with pytest.raises(ValueError, match="need store_dir"):
     from_dict(LongSparkTrainConfig, dict(draft_vocab_size=64))
   with pytest.raises(ValueError, match="markov_rank 0"):
@@ -295,13 +302,10 @@ def test_dflash_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   distribution at row a + k - 1), the log carries held-out tau_sim, a resumed run keeps its held-out windows and
   tap scale, the export drafts over its draft vocabulary by default and is lossless against the target."""
   from longspec_jax.drafters.dflash import load_dflash
-  from longspec_jax.inference.generate import generate
-  from longspec_jax.targets import load_target
   from longspec_jax.training.distill_store import StoreWindows
   from longspec_jax.training.drafter_common import draw_windows, tau_sim
   from longspec_jax.training.train_dflash import DFlashTrainConfig, StoreBlockSampler, train_dflash
   from longspec_jax.yaml_config import from_dict
-  root, model_dir, _ = setup
   store_dir = build_distill_store(_cfg(setup, "plain"), show_progress=False)
   store = DistillStore(store_dir)
   cfg = from_dict(DFlashTrainConfig, dict(
@@ -337,24 +341,11 @@ def test_dflash_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   kept = json.loads((tmp_path / "df" / "store_run.json").read_text())
   assert kept["held_out_windows"] == [store.windows[i][1]["window"] for i in ds.split_windows(store, 0, 0.3)[1]]
   assert np.asarray(kept["input_scale"]).shape == (1, 32)
-  info = json.loads((final / "drafter.json").read_text())
-  assert info["loss"] == "kl" and info["draft_vocab_size"] == 64 and info["init_from_target"]
-  assert len(info["val_top1_per_slot"]) == 3 and str(root) not in json.dumps(info)
-  target = load_target(model_dir)
-  drafter = load_dflash(final, target)
-  counts = store.argmax_counts(ds.split_windows(store, 0, 0.3)[0], target.cfg.vocab_size)
-  assert set(np.asarray(drafter.params["io"]["draft_ids"]).tolist()) == set(
-      np.argsort(-counts, kind="stable")[:64].tolist())
-  prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
-  ar = generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
-  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=drafter, num_draft=3).tokens == ar
-  # Scored again from the export (bf16 weights, tap scale folded into fc) on the same held-out blocks, it gets what
-  # its last log says.
+  assert json.loads((final / "drafter.json").read_text())["init_from_target"]
   from longspec_jax.training.train_dflash import evaluate_dflash_on_store
-  again = evaluate_dflash_on_store(final, target, store_dir, draws=2, val_fraction=0.3, context_len=48,
-                                   anchors_per_window=5, batch_size=2)
-  assert again["val_tau_sim"] == pytest.approx(log[-1]["val_tau_sim"], abs=0.05)
-  assert again["val_acc_0"] == pytest.approx(log[-1]["val_acc_0"], abs=0.15)
+  _check_export(setup, store, final, log, load_dflash, lambda target: evaluate_dflash_on_store(
+      final, target, store_dir, draws=2, val_fraction=0.3, context_len=48, anchors_per_window=5, batch_size=2),
+      num_slots=3)
   for bad, match in ((dict(draft_vocab_size=64), "need store_dir"), (dict(store_dir="s", distill="ce"), "distill")):
     with pytest.raises(ValueError, match=match):
       from_dict(DFlashTrainConfig, bad)

@@ -178,6 +178,15 @@ def store_evaluator(stats_fn, sampler, batch_size: int, val_windows: int):
   return evaluate
 
 
+def store_record(store, train_w, val_w, train_tokens: int, feature_key: str) -> list[dict]:
+  """drafter.json's "data" of a run on a distillation store: the store, how much of it trained and was held out,
+  and the settings that made it (`feature_key`: the store setting naming the features the drafter reads)."""
+  return [{"distill_store": store.dir.name, "stored_tokens": store.index["stored_tokens"],
+           "train_windows": len(train_w), "train_tokens": int(train_tokens), "held_out_windows": len(val_w),
+           "store_settings": {k: store.settings[k] for k in ("window_tokens", "topk", "feature_dtype",
+                                                             "on_policy_fraction", feature_key)}}]
+
+
 def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
   """The `size` ids with the largest counts, ascending (all ids when size is 0 or >= the vocabulary)."""
   if size <= 0 or size >= len(counts):

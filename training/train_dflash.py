@@ -28,11 +28,11 @@ from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
 from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, check_token_ids, copy_target_layers,
-                                                   draw_windows, fold_input_scale, inverse_median_scale,
-                                                   kept_store_split, last_logged, load_data_dirs, make_tap_fn,
-                                                   pad_token, split_indices, store_evaluator, store_head,
-                                                   store_target, trained_head, train_to_export,
-                                                   write_draft_vocab, write_drafter_json)
+                                                  draw_windows, fold_input_scale, inverse_median_scale,
+                                                  kept_store_split, last_logged, load_data_dirs, make_tap_fn,
+                                                  pad_token, split_indices, store_evaluator, store_head, store_record,
+                                                  store_target, train_to_export, trained_head, write_draft_vocab,
+                                                  write_drafter_json)
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
@@ -443,10 +443,7 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
       "target_layer_ids": list(trained.cfg.target_layer_ids),
       "target": target_name(target_dir),
       "target_weights_sha256": weights_sha256(target_dir),
-      "data": [{"distill_store": store.dir.name, "stored_tokens": store.index["stored_tokens"],
-                "train_windows": len(train_w), "train_tokens": train_tokens, "held_out_windows": len(val_w),
-                "store_settings": {k: store.settings[k] for k in ("window_tokens", "topk", "feature_dtype",
-                                                                  "on_policy_fraction", "taps")}}],
+      "data": store_record(store, train_w, val_w, train_tokens, "taps"),
       "loss": kind,
       "draft_vocab_size": cfg.draft_vocab_size or None,  # the default --draft-vocab when it drafts
       "steps": cfg.steps,

@@ -29,8 +29,8 @@ from longspec_jax.rope import rope_frequencies
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
 from longspec_jax.training.drafter_common import (data_target, draft_vocab_from_counts, draw_windows, last_logged,
-                                                   pad_token, split_rows, store_evaluator, store_target,
-                                                   train_to_export, write_drafter_json)
+                                                  pad_token, split_rows, store_evaluator, store_record, store_target,
+                                                  train_to_export, write_drafter_json)
 from longspec_jax.training.losses import DISTILL_KINDS, topk_distillation
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
@@ -441,10 +441,7 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
       "aux_layers": list(aux),
       "n0": cfg.context_len,
       "train_max_len": cfg.context_len + cfg.ttt_steps - 2,
-      "data": [{"distill_store": store.dir.name, "stored_tokens": store.index["stored_tokens"],
-                "train_windows": len(train_w), "train_tokens": train_tokens, "held_out_windows": len(val_w),
-                "store_settings": {k: store.settings[k] for k in ("window_tokens", "topk", "feature_dtype",
-                                                                  "on_policy_fraction", "taps")}}],
+      "data": store_record(store, train_w, val_w, train_tokens, "taps"),
       "loss": kind,
       "steps": cfg.steps,
       "batch_size": cfg.batch_size,

@@ -40,10 +40,10 @@ from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
 from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, copy_target_layers, fold_input_scale,
-                                                   inverse_median_scale, kept_store_split, last_logged,
-                                                   load_data_dirs, store_evaluator, store_head, store_target,
-                                                   trained_head, train_to_export, write_draft_vocab,
-                                                   write_drafter_json)
+                                                  inverse_median_scale, kept_store_split, last_logged, load_data_dirs,
+                                                  store_evaluator, store_head, store_record, store_target,
+                                                  train_to_export, trained_head, write_draft_vocab,
+                                                  write_drafter_json)
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
@@ -534,10 +534,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
     write_draft_vocab(final, vocab_order[:max(cfg.draft_vocab_size, 16384)], store, len(train_w))
   info = {
       **drafter_info(trained, cfg, target_dir),
-      "data": [{"distill_store": store.dir.name, "stored_tokens": store.index["stored_tokens"],
-                "train_windows": len(train_w), "train_tokens": train_tokens, "held_out_windows": len(val_w),
-                "store_settings": {k: store.settings[k] for k in ("window_tokens", "topk", "feature_dtype",
-                                                                  "on_policy_fraction", "kv_layers")}}],
+      "data": store_record(store, train_w, val_w, train_tokens, "kv_layers"),
       "loss": kind,
       "draft_vocab_size": cfg.draft_vocab_size or None,  # the default --draft-vocab when it drafts
       "steps": cfg.steps,
