@@ -1,7 +1,7 @@
 """The data-scaling curve of drafters trained from the distillation store: held-out tau_sim (and top-1 agreement per
 drafting step or block slot) against training positions seen, from each run's train_log.jsonl (the eval_every
-records). A position is a token predicted in every chain step (EAGLE-3) or a block anchor predicting B_s slots
-(LongSpark, DFlash): the log's own "tokens".
+records): the log's own "tokens", a window row read (EAGLE-3: a token predicted in every chain step; DFlash: a
+context row, batch x context_len per step) or a block anchor predicting B_s slots (LongSpark).
 
   python scripts/plot_scaling_curve.py --run eagle3=runs/drafter_eagle3_smollm2_store --out results/scaling/smollm2
 
