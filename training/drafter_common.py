@@ -5,6 +5,7 @@ trainers reading a distillation store its target, draft vocabulary and held-out 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -134,9 +135,12 @@ def last_logged(out_dir) -> dict:
 
 def write_drafter_json(final: Path, info: dict, *, last: dict, train_s: float, model=None) -> Path:
   """drafter.json beside an exported drafter: `info` (how it was trained, its validation metrics) with what every
-  trainer records: the last logged loss, this invocation's wall time (a resumed run counts only its own part) and
-  the parameter count of an nnx `model`."""
-  info = {**info, "final_loss": last.get("loss"), "train_wall_s": round(train_s, 1),
+  trainer records: the command line that ran it (the program by name alone: no machine path), the last logged
+  loss, this invocation's wall time (a resumed run counts only its own part) and the parameter count of an nnx
+  `model`."""
+  program = Path(sys.argv[0]).name
+  command = " ".join(["longspec" if program in ("cli.py", "longspec") else program] + sys.argv[1:])
+  info = {"command": command, **info, "final_loss": last.get("loss"), "train_wall_s": round(train_s, 1),
           **({"parameters": param_count(model)} if model is not None else {})}
   (final / "drafter.json").write_text(json.dumps(info, indent=2))
   return final
@@ -276,13 +280,13 @@ def block_stats_fn(logits_fn, kind: str):
   return stats
 
 
-def kept_store_split(out_dir, store, seed: int, val_fraction: float, resume: bool, input_scale_fn=None):
-  """(train windows, held-out windows, input scale or None) of a run on a distillation store. A resumed run keeps
-  what its first start fixed while the store grows, in out_dir/store_run.json: the held-out windows (the curve's
-  anchors stay the same; windows added later on the held-out side of split_windows stay unused, so a store-wide
-  evaluation never scores a window trained on) and the input scale `input_scale_fn(train windows)` made."""
-  from longspec_jax.training.distill_store import split_windows
-  train_w, val_w = split_windows(store, seed, val_fraction)
+def kept_store_split(out_dir, store, split, resume: bool, input_scale_fn=None):
+  """(train windows, held-out windows, input scale or None) of a run on a distillation store, from `split` = the
+  store's (train, held-out) windows (distill_store.split_windows). A resumed run keeps what its first start fixed
+  while the store grows, in out_dir/store_run.json: the held-out windows (the curve's anchors stay the same;
+  windows added later on the held-out side of the split stay unused, so a store-wide evaluation never scores a
+  window trained on) and the input scale `input_scale_fn(train windows)` made."""
+  train_w, val_w = split
   path = Path(out_dir) / "store_run.json"
   kept = json.loads(path.read_text()) if resume and path.exists() else None
   if kept:

@@ -362,7 +362,7 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
   store, the loss `cfg.distill` against the target's soft labels at every slot, the LM head over the draft
   vocabulary; held-out per-slot top-1 agreement and tau_sim every eval_every steps."""
   from longspec_jax.hf_io import load_model_dir
-  from longspec_jax.training.distill_store import DistillStore, StoreWindows
+  from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
 
   kind = cfg.distill or "kl"
   store = DistillStore(cfg.store_dir)
@@ -381,8 +381,8 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
   def scale_fn(windows):  # from batches no training step draws
     return tap_scale([sampler(windows, cfg.seed).batch(10**12 + i, cfg.batch_size) for i in range(8)])
 
-  train_w, val_w, scale = kept_store_split(cfg.out_dir, store, cfg.seed, cfg.val_fraction, resume,
-                                           scale_fn if cfg.normalize_taps else None)
+  train_w, val_w, scale = kept_store_split(cfg.out_dir, store, split_windows(store, cfg.seed, cfg.val_fraction),
+                                           resume, scale_fn if cfg.normalize_taps else None)
   train_sampler = sampler(train_w, cfg.seed)
   val_sampler = sampler(val_w, cfg.seed + 1, gamma=1e9)  # held out: every slot counts alike
   vocab_order = np.argsort(-store.argmax_counts(train_w, target.cfg.vocab_size), kind="stable")

@@ -18,7 +18,6 @@ The Markov term is teacher-forced: slot j's previous token is x_{a+j}.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
@@ -472,7 +471,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   """train_longspark on a distillation store: anchors in windows of the store's train split, K/V and boundary taps
   from the store, the loss `cfg.distill` against the target's soft labels at every slot, the LM head over the draft
   vocabulary; held-out per-slot top-1 agreement and tau_sim every eval_every steps."""
-  from longspec_jax.training.distill_store import DistillStore
+  from longspec_jax.training.distill_store import DistillStore, split_windows
 
   kind = cfg.distill or "kl"
   store = DistillStore(cfg.store_dir)
@@ -481,7 +480,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   dcfg = drafter_config(cfg, target.cfg)
   rows = StoreLongSparkRows(store, dcfg.target_layer_ids)
   train_w, val_w, scale = kept_store_split(
-      cfg.out_dir, store, cfg.seed, cfg.val_fraction, resume,
+      cfg.out_dir, store, split_windows(store, cfg.seed, cfg.val_fraction), resume,
       lambda w: boundary_scale([AnchorSampler(rows, w, cfg, cfg.seed, tail=cfg.tail_rows)], cfg.batch_size)
       if cfg.normalize_boundary else None)
   sampler = AnchorSampler(rows, train_w, cfg, cfg.seed, tail=cfg.tail_rows)
@@ -594,7 +593,6 @@ def drafter_info(model: LongSparkModel, cfg: LongSparkTrainConfig, target_dir) -
   """The head of an exported drafter's drafter.json: how it was made, its shape, its target."""
   return {
       "kind": "longspark",
-      "command": " ".join(["longspec" if sys.argv[0].endswith(("cli.py", "longspec")) else sys.argv[0]] + sys.argv[1:]),
       "block_size": cfg.block_size,
       "num_global_slots": cfg.num_global_slots,
       "raw_window": cfg.raw_window,
