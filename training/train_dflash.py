@@ -169,10 +169,14 @@ def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors, tap_scale
   return head_logits(io, h.reshape(b, a, bs, -1)[:, :, 1:])
 
 
+def batch_logits(model: DFlashModel, batch):
+  """Block logits of a training batch (the tap scale applied when present)."""
+  return dflash_train_logits(model, batch["io"], batch["taps"], batch["tokens"], batch["anchors"],
+                             batch.get("tap_scale"))
+
+
 def dflash_loss(model, batch, distill: str = ""):
-  logits = dflash_train_logits(model, batch["io"], batch["taps"], batch["tokens"], batch["anchors"],
-                               batch.get("tap_scale"))
-  return block_loss(logits, batch, distill)
+  return block_loss(batch_logits(model, batch), batch, distill)
 
 
 def _load_rows(cfg: DFlashTrainConfig):
@@ -353,8 +357,7 @@ class StoreBlockSampler:
         x, np.minimum(pos, c - 1).reshape(len(x), -1, *([1] * (x.ndim - 2))), 1).reshape(*pos.shape, *x.shape[2:])
     return {"tokens": b["tokens"], "taps": b["taps"], "anchors": anchors, "labels": at(b["tokens"], tgt),
             "label_w": ((tgt < valid[:, None, None]) * self.slot_weight).astype(np.float32),
-            "topk_ids": at(b["topk_ids"], tgt - 1), "topk_logprobs": at(b["topk_logprobs"], tgt - 1),
-            "real": np.arange(c)[None, :] < valid[:, None]}
+            "topk_ids": at(b["topk_ids"], tgt - 1), "topk_logprobs": at(b["topk_logprobs"], tgt - 1)}
 
 
 def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
@@ -379,7 +382,9 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
                              dataclasses.replace(cfg, gamma=gamma))
 
   def scale_fn(windows):  # from batches no training step draws
-    return tap_scale([sampler(windows, cfg.seed).batch(10**12 + i, cfg.batch_size) for i in range(8)])
+    rows = StoreWindows(store, windows, cfg.context_len, dcfg.taps, pad_id, cfg.seed)
+    batches = [rows.batch(10**12 + i, cfg.batch_size) for i in range(8)]
+    return tap_scale([{**b, "real": np.arange(cfg.context_len) < b["valid"][:, None]} for b in batches])
 
   train_w, val_w, scale = kept_store_split(cfg.out_dir, store, split_windows(store, cfg.seed, cfg.val_fraction),
                                            resume, scale_fn if cfg.normalize_taps else None)
@@ -407,20 +412,15 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
   extra = {k: run.replicate(v) for k, v in local_extra.items()}
 
   def cast(b):
-    b = {k: v for k, v in b.items() if k != "real"}
     return {**b, "taps": b["taps"].astype(dtype)}
 
   def batch_fn(step):
     return {**run.batch(lambda r: cast(train_sampler.batch(step, cfg.batch_size, r)), cfg.batch_size), **extra}
 
-  def logits_fn(p, batch):
-    return dflash_train_logits(nnx.merge(graphdef, p), batch["io"], batch["taps"], batch["tokens"],
-                               batch["anchors"], batch.get("tap_scale"))
-
   def loss_fn(p, batch):
-    return block_loss(logits_fn(p, batch), batch, kind)
+    return dflash_loss(nnx.merge(graphdef, p), batch, kind)
 
-  stats = block_stats_fn(logits_fn, kind)
+  stats = block_stats_fn(lambda p, batch: batch_logits(nnx.merge(graphdef, p), batch), kind)
   evaluate = store_evaluator(lambda p, b: stats(p, {**cast(b), **local_extra}), val_sampler, cfg.batch_size,
                              cfg.val_windows)
   t0 = time.time()
@@ -478,7 +478,5 @@ def evaluate_dflash_on_store(drafter_dir, target, store_dir, *, draws: int = 32,
                                            seed + 1), cfg)
   extra = trained_head(target_io(target), drafter_dir)
   graphdef, params = nnx.split(model)
-  stats = block_stats_fn(lambda p, b: dflash_train_logits(nnx.merge(graphdef, p), b["io"], b["taps"], b["tokens"],
-                                                          b["anchors"]), "kl")
-  return store_evaluator(lambda p, b: stats(p, {**{k: v for k, v in b.items() if k != "real"}, **extra}),
-                         sampler, batch_size, draws)(params)
+  stats = block_stats_fn(lambda p, batch: batch_logits(nnx.merge(graphdef, p), batch), "kl")
+  return store_evaluator(lambda p, b: stats(p, {**b, **extra}), sampler, batch_size, draws)(params)
