@@ -89,6 +89,39 @@ def test_zero_weights_give_dflash_drafts_and_probs(target):
   np.testing.assert_allclose(np.exp(logq), np.exp(processed_log_probs(logits, sp)), atol=1e-6)
 
 
+def test_a_draft_vocabulary_decodes_over_its_columns_alone(target):
+  """Over a base with a draft vocabulary the head is cut to its tokens: greedy drafts equal the full-vocabulary
+  decode (the base gives -inf elsewhere), sampled q is zero outside it and the first slot's q is the full one's;
+  generation stays lossless."""
+  from longspec_jax.drafters.frozen_target import restrict_head
+  base = dflash_from_model(_dflash_model(target), target)
+  ids = np.sort(np.random.default_rng(1).choice(V, V // 3, replace=False))
+  base = dataclasses.replace(base, params={**base.params, "io": restrict_head(base.params["io"], ids)})
+  cfg, head = _cfg(1.0, 0.5), _head(_cfg(1.0, 0.5))
+  d = dels_from_head(base, cfg, head)
+  assert d.params["head"]["head"].shape[0] == len(ids)
+  _, _, state, ctx = _state_and_ctx(target, base.spec, base.params, [12, 30])
+  pending = ctx.tokens[jnp.arange(2), ctx.num_tokens - 1]
+  full = base.spec.block_logits(base.params, state, pending, BLOCK - 1)  # -inf outside ids
+  want, _ = decode_block(cfg, {k: jnp.asarray(x) for k, x in head.items()}, full, pending)
+  got, _, _ = d.spec.propose(d.params, state, ctx, jax.random.key(0), BLOCK - 1, False)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert set(np.asarray(got).ravel().tolist()) <= set(ids.tolist())
+  sp = SamplingParams.make(0.8)
+  drafts, q, _ = d.spec.propose(d.params, state, dataclasses.replace(ctx, sampling=sp), jax.random.key(4),
+                                BLOCK - 1, True)
+  q = np.asarray(q)
+  outside = np.setdiff1d(np.arange(V), ids)
+  assert q.shape == (2, BLOCK - 1, V) and np.all(q[..., outside] == 0)
+  np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+  assert np.all(np.take_along_axis(q, np.asarray(drafts)[..., None], -1) > 0)
+  _, logq = decode_block(cfg, {k: jnp.asarray(x) for k, x in head.items()}, full, pending, sp, jax.random.key(4))
+  np.testing.assert_allclose(q[:, 0], np.exp(np.asarray(logq[:, 0])), atol=1e-6)
+  prompts = _prompts(2, [5, 40])
+  assert generate(target, prompts, max_new_tokens=16, eos_id=-1, drafter=d, num_draft=BLOCK - 1).tokens == \
+      generate(target, prompts, max_new_tokens=16, eos_id=-1).tokens
+
+
 @pytest.mark.parametrize("gru_start", ["pending", "first_draft"])
 def test_training_forward_matches_inference(target, gru_start):
   """Per block: DFlash's many-anchor training logits + the teacher-forced local head on the drafts chosen, combined,
@@ -264,3 +297,65 @@ def test_shipped_dels_loads_and_matches_its_base():
   assert weights_sha256(SHIPPED_DRAFTERS_DIR / "dflash") == info["base_weights_sha256"]
   d = load_drafter("dels", load_model_dir(default_target_dir()))
   assert d.spec.cfg.alpha == tuple(info["alpha"]) and len(d.spec.cfg.alpha) == d.spec.base.cfg.block_size - 1
+  for head, base in (("dels-smollm2-135m", "dflash-smollm2-135m"),
+                     ("longspark-dels-smollm2-135m", "longspark-smollm2-135m")):  # SmolLM2's: tuned on these bases
+    info = json.loads((SHIPPED_DRAFTERS_DIR / head / "drafter.json").read_text())
+    conf = json.loads((SHIPPED_DRAFTERS_DIR / head / "config.json").read_text())
+    assert conf["base_drafter"] == base and weights_sha256(SHIPPED_DRAFTERS_DIR / base) == info["base_weights_sha256"]
+
+
+def _longspark_dels(target_model, cfg=None, seed=0, markov_rank=0):
+  """The local head over a fresh LongSpark (block of BLOCK - 1 drafts, so cfg's schedule covers it)."""
+  from longspec_jax.drafters.longspark import create_longspark, longspark_config_for, longspark_from_model
+  base = longspark_from_model(create_longspark(longspark_config_for(
+      target_model.cfg, num_layers=1, raw_window=16, num_global_slots=4, block_size=BLOCK - 1,
+      markov_rank=markov_rank), seed=3), target_model)
+  cfg = cfg or _cfg()
+  return dels_from_head(base, cfg, _head(cfg, seed), name="longspark-dels")
+
+
+@pytest.mark.parametrize("batch,lengths", [(1, [9]), (2, [5, 70])])
+def test_greedy_longspark_dels_equals_ar(target, batch, lengths):
+  d = _longspark_dels(target)
+  assert d.spec.needs_target_kv and d.spec.max_draft_tokens == BLOCK - 1
+  prompts = _prompts(batch, lengths)
+  ar = generate(target, prompts, max_new_tokens=20, eos_id=-1)
+  for k in ((1, BLOCK - 1) if batch == 1 else (BLOCK - 1,)):
+    assert generate(target, prompts, max_new_tokens=20, eos_id=-1, drafter=d, num_draft=k).tokens == ar.tokens
+  with pytest.raises(ValueError, match="Markov head"):
+    _longspark_dels(target, markov_rank=4)
+
+
+def test_longspark_dels_sampling_matches_target_distribution(peaky_target):  # noqa: F811
+  d = _longspark_dels(peaky_target, _cfg(1.0, 0.5), seed=2)
+  marg = _exact_marginals(peaky_target, SamplingParams.make(1.0))
+  pvals = _chi2_pvalues(_sample(peaky_target, d, 1.0, 0, 1.0, seed=19), marg)
+  assert min(pvals) > 0.01 / N_POS, f"chi-square p-values {pvals}"
+
+
+def test_projected_head_round_trip(target, tmp_path):
+  """A head saved as projections of the target's tables (what the trainers export) loads as the direct-vocab tables
+  fused from the bf16 projections; half a pair is refused."""
+  from safetensors.numpy import load_file, save_file
+  from longspec_jax.training.train_dels import HEAD_PARAMS, shipped_head
+  save_dflash_dir(_dflash_model(target), tmp_path / "dflash")
+  cfg = _cfg(alpha=0.3, beta=0.1)
+  rng = np.random.default_rng(0)
+  h = target.cfg.hidden_size
+  trained = {k: rng.standard_normal(s).astype(np.float32) for k, s in
+             {"proj": (8, h), "w_ih": (36, 8), "w_hh": (36, 12), "rank": (6, 12), "up": (h, 6)}.items()}
+  assert set(trained) == set(HEAD_PARAMS)
+  prior = unigram_log_prior(rng.integers(0, 9, V), V)
+  saved, head = shipped_head(trained, target_io(target), prior)
+  saved["proj"] = np.asfortranarray(saved["proj"])  # a transposed view is written in its logical order
+  save_dels_dir(cfg, saved, tmp_path / "dels", base_drafter="../dflash")
+  d = load_dels(tmp_path / "dels", target)
+  for k, x in head.items():
+    np.testing.assert_allclose(np.asarray(d.params["head"][k]), x, rtol=1e-6, atol=1e-6)
+  embed = np.asarray(target_io(target)["embed"], np.float32)
+  np.testing.assert_allclose(head["emb"], embed @ saved["proj"].T, rtol=1e-5, atol=1e-5)
+  tensors = load_file(str(tmp_path / "dels" / "model.safetensors"))
+  save_file({k: v for k, v in tensors.items() if k != "rank_to_hidden.weight"},
+            str(tmp_path / "dels" / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match="both projections"):
+    load_dels(tmp_path / "dels", target)

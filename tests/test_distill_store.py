@@ -2,6 +2,7 @@
 shard index adds up, a killed build resumes to the same bytes, fp8 round trip, on-policy windows."""
 
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -375,3 +376,73 @@ def test_soft_label_stats_with_a_draft_vocabulary_by_hand():
   np.testing.assert_array_equal(np.asarray(hit), expect_hit)
   _, _, hard_w = soft_label_stats(logits, batch, "hard")
   np.testing.assert_array_equal(np.asarray(hard_w), w * (t2d[ids[..., 0]] >= 0))
+
+
+def test_dels_trains_from_the_store_over_store_dflash_and_longspark(setup, tmp_path):
+  """DeLS's local head from the store over a store-trained DFlash with a draft vocabulary: the grid's (0, 0) cell is
+  DFlash's own top-1 agreement with the target's argmax on the held-out blocks, the run resumes, the export (the
+  head as projections of the target's tables) records the store and drafts losslessly at batch 1 and 2; the same
+  head retuned (head_from) over a store-trained LongSpark is `longspark-dels`, lossless too."""
+  from longspec_jax.drafters.dels import load_dels
+  from longspec_jax.hf_io import _read_tensors
+  from longspec_jax.inference.generate import generate
+  from longspec_jax.targets import load_target
+  from longspec_jax.drafters.frozen_target import target_io
+  from longspec_jax.training.train_dels import (DeLSTrainConfig, read_head_factors, shipped_head, store_base,
+                                                store_val_hits, train_dels)
+  from longspec_jax.training.train_dflash import DFlashTrainConfig, batch_logits, train_dflash
+  from longspec_jax.training.train_longspark import LongSparkTrainConfig, train_longspark
+  from longspec_jax.yaml_config import from_dict
+  store_dir = build_distill_store(_cfg(setup, "kv01", kv_layers=(0, 1)), show_progress=False)
+  store = DistillStore(store_dir)
+  common = dict(store_dir=str(store_dir), distill="kl", batch_size=2, val_fraction=0.3, val_windows=2, log_every=1,
+                checkpoint_every_minutes=100.0, optim=dict(lr=0.02, warmup_steps=1))
+  dflash = train_dflash(from_dict(DFlashTrainConfig, dict(
+      common, out_dir=str(tmp_path / "df"), num_layers=1, num_target_taps=1, model=dict(intermediate_size=32),
+      block_size=4, context_len=48, anchors_per_window=5, draft_vocab_size=64, steps=2, compute_dtype="float32")))
+  longspark = train_longspark(from_dict(LongSparkTrainConfig, dict(
+      common, out_dir=str(tmp_path / "ls"), num_layers=1, block_size=3, raw_window=16, num_global_slots=4,
+      markov_rank=0, draft_vocab_size=32, anchors_per_window=4, tail_rows=16, anywhere_fraction=0.8, steps=2,
+      compute_dtype="float32")))
+  cfg = lambda out, **kw: from_dict(DeLSTrainConfig, dict(  # noqa: E731
+      common, out_dir=str(tmp_path / out), embed_dim=8, gru_hidden_dim=16, low_rank_dim=4, context_len=48,
+      anchors_per_window=5, val_anchors=6, steps=4, alpha_grid=(0.0, 0.5), beta_grid=(0.0, 0.1), **kw))
+  assert str(train_dels(cfg("b", base=str(dflash), stop_after_steps=2))).endswith("checkpoints")
+  final = train_dels(cfg("b", base=str(dflash)))
+  log = [json.loads(l) for l in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in log if "loss" in r][-1] == 4 and all(np.isfinite(r["loss"]) for r in log if "loss" in r)
+  info = json.loads((final / "drafter.json").read_text())
+  assert info["loss"] == "kl" and info["data"][0]["distill_store"] == store_dir.name
+  assert info["held_out_greedy_blocks"] > 0 and "argmax" in info["unigram_prior"]
+  assert str(setup[0]) not in json.dumps(info)  # the store by name (the base is recorded as given)
+  assert set(_read_tensors(final)) == {"embed_down_proj.weight", "rank_to_hidden.weight", "prefix_gru.weight_ih_l0",
+                                       "prefix_gru.weight_hh_l0", "rank_proj.weight", "log_prior"}
+
+  # The grid's (0, 0) cell against DFlash scored directly on the same held-out blocks.
+  target = load_target(setup[1])
+  drafter = load_dels(final, target)
+  _, head = shipped_head(read_head_factors(final, cfg("b")), target_io(target), _read_tensors(final)["log_prior"])
+  base = store_base(dflash, target, store, ds.split_windows(store, 0, 0.3)[1], cfg("b"))
+  v = store_val_hits(cfg("b"), drafter.spec.cfg, head, base)
+  batch = {n: jnp.asarray(x) for n, x in base.sampler.batch(0, 2).items()}
+  ids = base.draft_ids
+  logits = np.asarray(batch_logits(base.model, {**batch, "io": base.head_io["io"]})).reshape(-1, 3, len(ids))
+  label = np.asarray(base.head_io["t2d"])[np.asarray(batch["topk_ids"][..., 0])].reshape(-1, 3)
+  full = np.all(np.asarray(batch["label_w"]) > 0, -1).reshape(-1)
+  assert full.sum() > 0
+  np.testing.assert_array_equal(v["grid"][0][0], (np.argmax(logits, -1) == label)[full])  # grid 0 = (0, 0)
+
+  prompts = [[0, 5, 9, 33, 7, 5, 9], [0, 40, 41]]
+  ar = generate(target, prompts, max_new_tokens=8, eos_id=-1).tokens
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=drafter, num_draft=3).tokens == ar
+  assert generate(target, prompts[:1], max_new_tokens=8, eos_id=-1, drafter=drafter, num_draft=3).tokens == ar[:1]
+
+  over_ls = train_dels(cfg("c", base=str(longspark), head_from=str(final)))
+  ls_info = json.loads((over_ls / "drafter.json").read_text())
+  assert ls_info["data"][0]["head_from"] == "b/final" and len(ls_info["alpha"]) == 3  # LongSpark drafts 3
+  np.testing.assert_array_equal(_read_tensors(over_ls)["rank_proj.weight"], _read_tensors(final)["rank_proj.weight"])
+  combined = load_dels(over_ls, target)
+  assert combined.spec.name == "longspark-dels" and combined.spec.needs_target_kv
+  assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=combined, num_draft=3).tokens == ar
+  with pytest.raises(ValueError, match="need store_dir"):
+    from_dict(DeLSTrainConfig, dict(distill="kl"))

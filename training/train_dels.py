@@ -25,17 +25,19 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
-from longspec_jax.drafters.dels import (DeLSConfig, combine, local_block_logits, resolve_base_dir, save_dels_dir,
-                                        unigram_log_prior)
+from longspec_jax.config import read_config_json
+from longspec_jax.drafters.dels import (DeLSConfig, combine, fuse_factors, local_block_logits, resolve_base_dir,
+                                        save_dels_dir, unigram_log_prior)
 from longspec_jax.drafters.dflash import load_dflash_model
 from longspec_jax.drafters.frozen_target import target_io
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.training.drafter_data import target_name, weights_sha256
-from longspec_jax.training.losses import cross_entropy
-from longspec_jax.training.drafter_common import (check_token_ids, last_logged, load_data_dirs, make_tap_fn,
-                                                   pad_token, split_indices, train_to_export,
-                                                   write_drafter_json)
-from longspec_jax.training.train_dflash import BlockSampler, dflash_train_logits
+from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
+from longspec_jax.training.drafter_common import (block_loss, check_token_ids, kept_store_split, last_logged,
+                                                  load_data_dirs, make_tap_fn, pad_token, soft_label_stats,
+                                                  split_indices, store_head, store_record, store_target,
+                                                  train_to_export, trained_head, write_drafter_json)
+from longspec_jax.training.train_dflash import BlockSampler, batch_logits, dflash_store_sampler, dflash_train_logits
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 
@@ -61,6 +63,14 @@ class DeLSTrainConfig(RunConfig):
   tune_num_draft: int = 8  # drafts per step the alpha/beta tuning optimizes acceptance for
   alpha_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
   beta_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
+  # A distillation store (`longspec make-distill-store` with the base's taps) replaces data_dirs: blocks anywhere in
+  # the store's train windows, the head trained against the target's top-k distribution at each slot (`distill`),
+  # alpha/beta tuned on its held-out windows against the target's argmax (DFlash's logits from the stored taps).
+  store_dir: str = ""
+  distill: str = ""  # with a store: "kl" (default) | "tv" | "hard"; training.losses
+  # With a store: no training, the head of this exported DeLS directory (saved as projections) tuned for `base`
+  # (one head serves every base: it reads only the block's tokens).
+  head_from: str = ""
 
   def __post_init__(self):
     self.require_positive("embed_dim", "gru_hidden_dim", "low_rank_dim", "context_len", "anchors_per_window",
@@ -69,6 +79,13 @@ class DeLSTrainConfig(RunConfig):
       raise ValueError(f"need gamma > 0 and 0 < val_fraction < 1, got {self.gamma}, {self.val_fraction}")
     if not self.data_dirs or not self.alpha_grid or not self.beta_grid:
       raise ValueError("data_dirs, alpha_grid and beta_grid must be non-empty")
+    if (self.distill or self.head_from) and not self.store_dir:
+      raise ValueError("distill and head_from need store_dir (soft labels come from a distillation store)")
+    if self.distill and self.distill not in DISTILL_KINDS:
+      raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
+
+
+HEAD_PARAMS = ("proj", "w_ih", "w_hh", "rank", "up")  # what training fits (and the export saves)
 
 
 def init_head_params(cfg: DeLSTrainConfig, hidden: int, seed: int) -> dict:
@@ -81,15 +98,24 @@ def init_head_params(cfg: DeLSTrainConfig, hidden: int, seed: int) -> dict:
 
 
 def merge_head(params: dict, io: dict, log_prior) -> dict:
-  """Trainable tables + the target's frozen embedding/LM head -> the inference head (direct-vocab tables)."""
-  embed = io["embed"].astype(jnp.float32)  # [V, H]
-  lm_head = io["lm_head"].astype(jnp.float32).T if "lm_head" in io else embed  # [V, H]
-  return {"emb": embed @ params["proj"].T, "w_ih": params["w_ih"], "w_hh": params["w_hh"], "rank": params["rank"],
-          "head": lm_head @ params["up"], "log_prior": jnp.asarray(log_prior, jnp.float32)}
+  """Trainable tables + the target's frozen embedding/LM head -> the inference head (direct-vocab tables). An `io`
+  whose LM head covers a draft vocabulary (drafter_common.store_head) gives head rows for those tokens alone."""
+  return {**fuse_factors(io, params["proj"], params["up"]), "w_ih": params["w_ih"], "w_hh": params["w_hh"],
+          "rank": params["rank"], "log_prior": jnp.asarray(log_prior, jnp.float32)}
+
+
+def shipped_head(trained: dict, io: dict, log_prior) -> tuple[dict, dict]:
+  """(what the export saves: the trained tables rounded to bf16 as stored, and the fp32 prior; the inference head
+  fused from exactly those, which alpha/beta are tuned on)."""
+  saved = {k: np.asarray(jnp.asarray(trained[k], jnp.bfloat16).astype(jnp.float32)) for k in HEAD_PARAMS}
+  saved["log_prior"] = np.asarray(log_prior, np.float32)
+  return saved, jax.tree.map(np.asarray, merge_head(saved, io, log_prior))
 
 
 def block_prev(batch) -> jax.Array:
   """Tokens each block position reads first: the anchor, then the labels before it. [B*A, K]."""
+  if "prev" in batch:  # LongSpark's batches carry them
+    return batch["prev"].reshape(-1, batch["prev"].shape[-1])
   anchor_tok = jnp.take_along_axis(batch["tokens"], batch["anchors"], axis=1)
   prev = jnp.concatenate([anchor_tok[..., None], batch["labels"][..., :-1]], -1)
   return prev.reshape(-1, prev.shape[-1])
@@ -120,6 +146,8 @@ def _sampler_cfg(cfg: DeLSTrainConfig, block_size: int, anchors: int, gamma: flo
 
 def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
   """Trains the local head, tunes alpha/beta; returns the exported directory (or the checkpoint dir when stopped)."""
+  if cfg.store_dir:
+    return train_dels_from_store(cfg, resume)
   train_rows, val_rows, target_dir, target_cfg, manifests = _load_rows(cfg)
   base_dir = resolve_base_dir(Path.cwd(), cfg.base)
   base_model = load_dflash_model(base_dir)
@@ -157,14 +185,11 @@ def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
                                      tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window * (bs - 1))
   if stopped:  # (process 0 tunes and exports)
     return stopped
-  head = jax.tree.map(np.asarray, merge_head(trained, target_io(target), log_prior))
-  # Tune on exactly what ships: the tables rounded to bf16 (the prior stays fp32).
-  head = {k: (x if k == "log_prior" else np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)))
-          for k, x in head.items()}
+  saved, head = shipped_head(trained, target_io(target), log_prior)
   train_s = time.time() - t0
-  tuning = tune_alpha_beta(cfg, dcfg, head, base_model, target, val_rows, pad_id)
+  tuning = tune_alpha_beta(cfg, val_hits(cfg, dcfg, head, base_model, target, val_rows, pad_id))
   dcfg = dcfg.with_schedule(tuning.pop("alpha"), tuning.pop("beta"))
-  return export_dels(cfg, dcfg, head, base_dir, target_dir, manifests, train_s, tuning)
+  return export_dels(cfg, dcfg, saved, base_dir, target_dir, manifests, train_s, tuning)
 
 
 def val_hits(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_model, target, rows, pad_id: int) -> dict:
@@ -219,10 +244,10 @@ def _leading(hits, k):
   return np.cumprod(hits[..., :k], axis=-1).sum(-1).mean(-1)
 
 
-def tune_alpha_beta(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_model, target, rows, pad_id) -> dict:
+def tune_alpha_beta(cfg: DeLSTrainConfig, v: dict) -> dict:
   """Grid over scalar (alpha, beta) and a per-position schedule by coordinate ascent, each fitted on one half of
-  the held-out greedy blocks and compared on the other; the better one on the second half is kept."""
-  v = val_hits(cfg, dcfg, head, base_model, target, rows, pad_id)
+  the held-out blocks `v` (val_hits or store_val_hits) and compared on the other; the better one on the second half
+  is kept."""
   if not v["grid"]:
     raise ValueError("no held-out greedy rows to tune alpha/beta on; raise val_fraction")
   hits = np.concatenate(v["grid"], axis=1)  # [n_grid, N, K]
@@ -259,10 +284,10 @@ def tune_alpha_beta(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_model, ta
           "scalar_best": {"alpha": pairs[best][0], "beta": pairs[best][1],
                           "mean_accept_check_half": round(scalar_check, 4)},
           "schedule_mean_accept_check_half": round(sched_check, 4),
-          "dflash_alone_mean_accept_check_half": (round(float(_leading(hits[zero, check], kt)), 4)
+          "base_alone_mean_accept_check_half": (round(float(_leading(hits[zero, check], kt)), 4)
                                                   if zero is not None else None),
           "chosen": "per-position schedule" if use_schedule else "scalar",
-          "accept_per_position_dflash": per_pos([zero] * k_all) if zero is not None else None,
+          "accept_per_position_base": per_pos([zero] * k_all) if zero is not None else None,
           "accept_per_position_dels": per_pos(final),
       },
   }
@@ -272,23 +297,200 @@ def tune_alpha_beta(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_model, ta
   return res
 
 
-def export_dels(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_dir: Path, target_dir, manifests,
+def export_dels(cfg: DeLSTrainConfig, dcfg: DeLSConfig, saved, base_dir: Path, target_dir, manifests,
                 train_s: float, tuning: dict) -> Path:
-  final = save_dels_dir(dcfg, head, Path(cfg.out_dir) / "final", base_drafter=cfg.base)
+  """saved: shipped_head's tables. manifests: the data dirs' manifests, or with a store its drafter.json "data"
+  record (store_record)."""
+  final = save_dels_dir(dcfg, saved, Path(cfg.out_dir) / "final", base_drafter=cfg.base)
   info = {
       "kind": "dels",
       "base_drafter": cfg.base,
       "base_weights_sha256": weights_sha256(base_dir),
       "target": target_name(target_dir),
       "target_weights_sha256": weights_sha256(target_dir),
-      "data": [{"dir": Path(d).name, **m["counts"], "temperature": m["settings"]["temperature"],
-                "greedy_fraction": m["settings"]["greedy_fraction"]} for d, m in zip(cfg.data_dirs, manifests)],
-      "unigram_prior": "add-one smoothed counts of the training continuations",
+      "data": manifests if cfg.store_dir else [
+          {"dir": Path(d).name, **m["counts"], "temperature": m["settings"]["temperature"],
+           "greedy_fraction": m["settings"]["greedy_fraction"]} for d, m in zip(cfg.data_dirs, manifests)],
+      "unigram_prior": ("add-one smoothed counts of the target's argmax on the store's train windows" if cfg.store_dir
+                        else "add-one smoothed counts of the training continuations"),
+      **({"loss": cfg.distill or "kl"} if cfg.store_dir else {}),
       "embed_dim": cfg.embed_dim, "gru_hidden_dim": cfg.gru_hidden_dim, "low_rank_dim": cfg.low_rank_dim,
       "rank_activation": cfg.rank_activation, "gru_start": dcfg.gru_start,
-      "steps": cfg.steps, "batch_size": cfg.batch_size, "anchors_per_window": cfg.anchors_per_window,
+      "steps": 0 if cfg.head_from else cfg.steps, "batch_size": cfg.batch_size,
+      "anchors_per_window": cfg.anchors_per_window,
       "gamma": cfg.gamma,
       "alpha": list(dcfg.alpha), "beta": list(dcfg.beta),
       **tuning["tuning"],
   }
   return write_drafter_json(final, info, last=last_logged(cfg.out_dir), train_s=train_s)
+
+
+# --- training from a distillation store ------------------------------------------------------------------------
+
+def _draft_ids(t2d) -> np.ndarray:
+  """Target ids of a draft vocabulary in column order, from t2d [V] (a target id's column or -1)."""
+  t2d = np.asarray(t2d)
+  ids = np.empty(int((t2d >= 0).sum()), np.int64)
+  ids[t2d[t2d >= 0]] = np.flatnonzero(t2d >= 0)
+  return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreBase:
+  """The frozen base block drafter scored on a store's held-out blocks: its model, a sampler of those blocks
+  (`num_slots` draft slots each), its block logits [B, A, K, N] of a batch, and the head it drafts with
+  ({"io"[, "t2d"]}: trained_head)."""
+  model: object
+  sampler: object
+  logits: object
+  head_io: dict
+  num_slots: int
+
+  @property
+  def draft_ids(self) -> np.ndarray | None:
+    return _draft_ids(self.head_io["t2d"]) if "t2d" in self.head_io else None
+
+
+def store_base(base_dir: Path, target, store, val_w, cfg: DeLSTrainConfig) -> StoreBase:
+  """DFlash or LongSpark (by the base's architecture) on the held-out windows `val_w`, drawn the way that drafter's
+  own store evaluation draws them (evaluate_dflash_on_store / evaluate_longspark_on_store), cfg.val_anchors each."""
+  from longspec_jax.drafters.longspark import ARCHITECTURE as LONGSPARK, load_longspark_model
+  from longspec_jax.training import train_longspark
+  if LONGSPARK in (read_config_json(base_dir / "config.json", "DeLS base drafter").get("architectures") or []):
+    model = load_longspark_model(base_dir)
+    sampler = train_longspark.store_eval_sampler(model, store, val_w, cfg.seed + 1, cfg.val_anchors)
+    return StoreBase(model, sampler, train_longspark.batch_logits,
+                     trained_head(target_io(target, final_norm=True), base_dir), model.cfg.block_size)
+  model = load_dflash_model(base_dir)
+  model.cfg.check_target(target.cfg)
+  sampler = dflash_store_sampler(store, val_w, model.cfg.taps, model.cfg.block_size, cfg.seed + 1, cfg.context_len,
+                                 cfg.val_anchors, pad_token(target.cfg))
+  return StoreBase(model, sampler, batch_logits, trained_head(target_io(target), base_dir), model.cfg.block_size - 1)
+
+
+def _store_head_factors(cfg: DeLSTrainConfig, store, target, train_w, num_slots: int, draft_ids, log_prior,
+                        resume: bool):
+  """Trains the local head alone on blocks of num_slots + 1 rows anywhere in the store's train windows against the
+  target's top-k distribution (cfg.distill) over the base's draft vocabulary (outside it the base's logits are
+  -inf: nothing else can be drafted, so the head's softmax need not cover it). Returns (trained tables, seconds)
+  or (the checkpoint dir, None) when stopped early."""
+  kind = cfg.distill or "kl"
+  sampler = dflash_store_sampler(store, train_w, (), num_slots + 1, cfg.seed, cfg.context_len,
+                                 cfg.anchors_per_window, pad_token(target.cfg), cfg.gamma)
+  ids = np.arange(target.cfg.vocab_size) if draft_ids is None else draft_ids
+  head_io, t2d = store_head(target_io(target), ids)
+  dcfg = DeLSConfig(vocab_size=target.cfg.vocab_size, embed_dim=cfg.embed_dim, gru_hidden_dim=cfg.gru_hidden_dim,
+                    low_rank_dim=cfg.low_rank_dim, rank_activation=cfg.rank_activation,
+                    alpha=(0.0,) * num_slots, beta=(0.0,) * num_slots)
+  params = init_head_params(cfg, target.cfg.hidden_size, cfg.seed)
+  print(f"DeLS local head from the distillation store {store.dir}: "
+        f"{sum(int(x.size) for x in jax.tree.leaves(params)) / 1e6:.3f}M trainable parameters; {len(train_w)} "
+        f"train windows ({int(sampler.windows.lens.sum())} tokens), vocabulary {len(ids)}, loss {kind}, "
+        f"{num_slots} slots")
+  run = start_run(cfg, params, resume=resume, record=dataclasses.asdict(cfg))
+  extra = {k: run.replicate(x) for k, x in
+           {"io": head_io, "t2d": t2d, "log_prior": jnp.asarray(log_prior[ids], jnp.float32)}.items()}
+
+  def batch_fn(step):
+    def rows(r):
+      b = sampler.batch(step, cfg.batch_size, r)
+      b.pop("taps")  # (none read)
+      return b
+    return {**run.batch(rows, cfg.batch_size), **extra}
+
+  def loss_fn(p, batch):
+    logits = local_block_logits(dcfg, merge_head(p, batch["io"], batch["log_prior"]), block_prev(batch))
+    return block_loss(logits.reshape(batch["labels"].shape + logits.shape[-1:]), batch, kind)
+
+  t0 = time.time()
+  trained, stopped = train_to_export(run, loss_fn, batch_fn, desc="train-drafter dels (store)",
+                                     tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window * num_slots)
+  return (stopped, None) if stopped else (trained, time.time() - t0)
+
+
+def read_head_factors(drafter_dir, cfg: DeLSTrainConfig) -> dict:
+  """The trained tables (HEAD_PARAMS) of an exported DeLS head saved as projections of the target's tables, of
+  cfg's shape."""
+  from longspec_jax.drafters.dels import TENSOR_NAMES
+  from longspec_jax.hf_io import _read_tensors
+  tensors = {TENSOR_NAMES.get(k, k): np.asarray(v, np.float32) for k, v in _read_tensors(Path(drafter_dir)).items()}
+  missing = [k for k in HEAD_PARAMS if k not in tensors]
+  if missing:
+    raise ValueError(f"head_from {drafter_dir}: no {missing} (a DeLS head exported as target-table projections)")
+  got = (tensors["proj"].shape[0], tensors["w_hh"].shape[1], tensors["rank"].shape[0])
+  if got != (cfg.embed_dim, cfg.gru_hidden_dim, cfg.low_rank_dim):
+    raise ValueError(f"head_from {drafter_dir} has (embed_dim, gru_hidden_dim, low_rank_dim) {got}; the config says "
+                     f"{(cfg.embed_dim, cfg.gru_hidden_dim, cfg.low_rank_dim)}")
+  return {k: tensors[k] for k in HEAD_PARAMS}
+
+
+def train_dels_from_store(cfg: DeLSTrainConfig, resume: bool) -> Path:
+  """train_dels on a distillation store (or, with head_from, an exported head retuned for another base): the head
+  from _store_head_factors, alpha/beta tuned on the base's held-out blocks (store_val_hits); the export holds the
+  head as projections of the target's tables."""
+  from longspec_jax.training.distill_store import DistillStore, split_windows
+
+  store = DistillStore(cfg.store_dir)
+  target_dir = Path(cfg.target_dir) if cfg.target_dir else store_target(store)
+  target = load_model_dir(target_dir)
+  base_dir = resolve_base_dir(Path.cwd(), cfg.base)
+  v = target.cfg.vocab_size
+  # The split the store trainers make with the same seed and val_fraction: tuning blocks the base never saw.
+  train_w, val_w, _ = kept_store_split(cfg.out_dir, store, split_windows(store, cfg.seed, cfg.val_fraction), resume)
+  log_prior = unigram_log_prior(store.argmax_counts(train_w, v), v)
+  base = store_base(base_dir, target, store, val_w, cfg)
+  if cfg.head_from:
+    trained, train_s = read_head_factors(cfg.head_from, cfg), 0.0
+  else:
+    trained, train_s = _store_head_factors(cfg, store, target, train_w, base.num_slots, base.draft_ids, log_prior,
+                                           resume)
+    if train_s is None:
+      return trained
+  saved, head = shipped_head(trained, target_io(target), log_prior)
+  dcfg = DeLSConfig(vocab_size=v, embed_dim=cfg.embed_dim, gru_hidden_dim=cfg.gru_hidden_dim,
+                    low_rank_dim=cfg.low_rank_dim, rank_activation=cfg.rank_activation,
+                    alpha=(0.0,) * base.num_slots, beta=(0.0,) * base.num_slots)
+  tuning = tune_alpha_beta(cfg, store_val_hits(cfg, dcfg, head, base))
+  dcfg = dcfg.with_schedule(tuning.pop("alpha"), tuning.pop("beta"))
+  data = store_record(store, train_w, val_w, int(store.window_lengths()[train_w].sum()), "taps")
+  if cfg.head_from:
+    data[0]["head_from"] = Path(cfg.head_from).parent.name + "/" + Path(cfg.head_from).name
+  return export_dels(cfg, dcfg, saved, base_dir, target_dir, data, train_s, tuning)
+
+
+def store_val_hits(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base: StoreBase) -> dict:
+  """val_hits on a store's held-out blocks: a slot is a hit when the combined argmax is the target's argmax there
+  (the GRU reads the text's own tokens, as in tau_sim). Computed over the base's draft vocabulary, where every
+  combined argmax falls."""
+  k = base.num_slots
+  graphdef, bparams = nnx.split(base.model)
+  small = {n: jnp.asarray(x) for n, x in head.items()}
+  if base.draft_ids is not None:
+    ids = jnp.asarray(base.draft_ids)
+    small = {**small, "head": small["head"][ids], "log_prior": small["log_prior"][ids]}
+  t2d = jnp.asarray(base.head_io["t2d"]) if "t2d" in base.head_io else jnp.arange(dcfg.vocab_size, dtype=jnp.int32)
+  grid = jnp.asarray([(a, b) for a in cfg.alpha_grid for b in cfg.beta_grid], jnp.float32)
+
+  @jax.jit
+  def block_hits(bparams, batch):
+    logits = base.logits(nnx.merge(graphdef, bparams), {**batch, **base.head_io})
+    logits = logits.reshape(-1, k, logits.shape[-1]).astype(jnp.float32)
+    local = local_block_logits(dcfg, small, block_prev(batch))
+    label = t2d[batch["topk_ids"][..., 0]].reshape(-1, k)  # -1 (outside the draft vocabulary): always a miss
+    hits = lambda ab: jnp.argmax(combine(logits, local, small["log_prior"], ab[0], ab[1]), -1) == label
+    loss_sums, local_hit, w = soft_label_stats(local.reshape(batch["label_w"].shape + local.shape[-1:]),
+                                               {**batch, "t2d": t2d}, "kl")
+    real = w > 0
+    return (jax.lax.map(hits, grid), jnp.all(real, -1).reshape(-1), (local_hit & real).reshape(-1, k),
+            real.reshape(-1, k), jnp.sum(loss_sums), jnp.sum(w))
+
+  out = {"grid": [], "local_hit": [], "real": [], "ce": 0.0, "n": 0.0}
+  for i in range(-(-cfg.val_windows // cfg.batch_size)):
+    batch = {n: jnp.asarray(x) for n, x in base.sampler.batch(i, cfg.batch_size).items()}
+    hits, full, local_hit, real, ce, n = block_hits(bparams, batch)
+    out["grid"].append(np.asarray(hits)[:, np.asarray(full)])
+    out["local_hit"].append(np.asarray(local_hit))
+    out["real"].append(np.asarray(real))
+    out["ce"] += float(ce)
+    out["n"] += float(n)
+  return out

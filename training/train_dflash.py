@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -360,6 +361,16 @@ class StoreBlockSampler:
             "topk_ids": at(b["topk_ids"], tgt - 1), "topk_logprobs": at(b["topk_logprobs"], tgt - 1)}
 
 
+def dflash_store_sampler(store, windows, taps, block_size: int, seed: int, context_len: int, anchors_per_window: int,
+                         pad_id: int, gamma: float = 1e9) -> StoreBlockSampler:
+  """Blocks of `block_size` in windows of context_len rows of the store's `windows`, the target layers `taps` read
+  (() for none); gamma 1e9: every slot weighs alike (held-out scoring)."""
+  from longspec_jax.training.distill_store import StoreWindows
+  cfg = SimpleNamespace(context_len=context_len, block_size=block_size, anchors_per_window=anchors_per_window,
+                        gamma=gamma)
+  return StoreBlockSampler(StoreWindows(store, windows, context_len, taps, pad_id, seed), cfg)
+
+
 def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
   """train_dflash on a distillation store: blocks anywhere in windows of the store's train split, taps from the
   store, the loss `cfg.distill` against the target's soft labels at every slot, the LM head over the draft
@@ -378,8 +389,8 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
   dtype = jnp.dtype(cfg.compute_dtype)
 
   def sampler(windows, seed, gamma=cfg.gamma):
-    return StoreBlockSampler(StoreWindows(store, windows, cfg.context_len, dcfg.taps, pad_id, seed),
-                             dataclasses.replace(cfg, gamma=gamma))
+    return dflash_store_sampler(store, windows, dcfg.taps, cfg.block_size, seed, cfg.context_len,
+                                cfg.anchors_per_window, pad_id, gamma)
 
   def scale_fn(windows):  # from batches no training step draws
     rows = StoreWindows(store, windows, cfg.context_len, dcfg.taps, pad_id, cfg.seed)
@@ -468,14 +479,12 @@ def evaluate_dflash_on_store(drafter_dir, target, store_dir, *, draws: int = 32,
   size), `draws` windows, over the draft vocabulary it drafts with (drafter.json): drafters trained any way are
   compared on the same blocks."""
   from longspec_jax.drafters.dflash import load_dflash_model
-  from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
+  from longspec_jax.training.distill_store import DistillStore, split_windows
   store = DistillStore(store_dir)
   model = load_dflash_model(drafter_dir)
   _, val_w = split_windows(store, seed, val_fraction)
-  cfg = DFlashTrainConfig(store_dir=str(store_dir), block_size=model.cfg.block_size, context_len=context_len,
-                          anchors_per_window=anchors_per_window, gamma=1e9)
-  sampler = StoreBlockSampler(StoreWindows(store, val_w, context_len, model.cfg.taps, pad_token(target.cfg),
-                                           seed + 1), cfg)
+  sampler = dflash_store_sampler(store, val_w, model.cfg.taps, model.cfg.block_size, seed + 1, context_len,
+                                 anchors_per_window, pad_token(target.cfg))
   extra = trained_head(target_io(target), drafter_dir)
   graphdef, params = nnx.split(model)
   stats = block_stats_fn(lambda p, batch: batch_logits(nnx.merge(graphdef, p), batch), "kl")

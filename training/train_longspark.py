@@ -444,6 +444,15 @@ def store_stats_fn(graphdef, kind: str):
   return block_stats_fn(lambda params, batch: batch_logits(nnx.merge(graphdef, params), batch), kind)
 
 
+def store_eval_sampler(model: LongSparkModel, store, windows, seed: int, anchors_per_window: int,
+                       tail_rows: int = 256, anywhere_fraction: float = 0.9) -> AnchorSampler:
+  """Held-out LongSpark blocks of `model`'s shape in the store's `windows`, every slot weighing alike."""
+  cfg = LongSparkTrainConfig(store_dir=str(store.dir), block_size=model.cfg.block_size,
+                             raw_window=model.cfg.raw_window, anchors_per_window=anchors_per_window, gamma=1e9,
+                             tail_rows=tail_rows, anywhere_fraction=anywhere_fraction)
+  return AnchorSampler(StoreLongSparkRows(store, model.cfg.target_layer_ids), windows, cfg, seed, tail=tail_rows)
+
+
 def evaluate_longspark_on_store(drafter_dir, target, store_dir, *, draws: int = 32, val_fraction: float = 0.03,
                                 seed: int = 0, tail_rows: int = 256, anchors_per_window: int = 32,
                                 anywhere_fraction: float = 0.9) -> dict:
@@ -456,11 +465,7 @@ def evaluate_longspark_on_store(drafter_dir, target, store_dir, *, draws: int = 
   store = DistillStore(store_dir)
   model = load_longspark_model(drafter_dir)
   _, val_w = split_windows(store, seed, val_fraction)
-  cfg = LongSparkTrainConfig(store_dir=str(store_dir), block_size=model.cfg.block_size,
-                             raw_window=model.cfg.raw_window, anchors_per_window=anchors_per_window, gamma=1e9,
-                             tail_rows=tail_rows, anywhere_fraction=anywhere_fraction)
-  sampler = AnchorSampler(StoreLongSparkRows(store, model.cfg.target_layer_ids), val_w, cfg, seed + 1,
-                          tail=tail_rows)
+  sampler = store_eval_sampler(model, store, val_w, seed + 1, anchors_per_window, tail_rows, anywhere_fraction)
   extra = trained_head(target_io(target, final_norm=True), drafter_dir)
   graphdef, params = nnx.split(model)
   stats = store_stats_fn(graphdef, "kl")

@@ -231,8 +231,9 @@ class Run:
     return jax.tree.map(jnp.asarray, host_values(self.state.params))
 
 
-# Settings a resumed run may change: they do not alter what is trained.
-RESUME_FREE_KEYS = frozenset({"stop_after_steps", "checkpoint_every_minutes", "log_every", "eval_every"})
+# Settings a resumed run may change: they do not alter what is trained (DeLS's tuning grid acts after training).
+RESUME_FREE_KEYS = frozenset({"stop_after_steps", "checkpoint_every_minutes", "log_every", "eval_every",
+                              "alpha_grid", "beta_grid", "tune_num_draft"})
 
 
 def start_run(cfg, params, *, resume: bool, total_steps: int | None = None,

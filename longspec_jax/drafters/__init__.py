@@ -86,15 +86,18 @@ def _config_vocab(drafter_dir: Path) -> int | None:
 def _shipped(name: str, drafter_dir, target=None) -> Path:
   """`drafter_dir`, else the shipped checkpoint `name` for this target: `assets/drafters/<name>` is for the
   shipped 8.4M target and `<name>-<target name>` (e.g. dflash-smollm2-135m) for a named one; the one whose
-  config.json has the target's vocabulary is chosen."""
+  config.json has the target's vocabulary is chosen (never another checkpoint's: `longspark-dels-...` is not a
+  `longspark` one)."""
   if drafter_dir:
     path = Path(drafter_dir)
   else:
     path = SHIPPED_DRAFTERS_DIR / name
     vocab = _vocab_size(target)
     if vocab is not None:
-      fits = [d for d in sorted(SHIPPED_DRAFTERS_DIR.iterdir())
-              if (d.name == name or d.name.startswith(name + "-")) and _config_vocab(d) == vocab]
+      others = [c for c in {e.checkpoint for e in ENTRIES.values()} if c and c != name and c.startswith(name + "-")]
+      ours = lambda d: (d == name or d.startswith(name + "-")) and not any(  # noqa: E731
+          d == c or d.startswith(c + "-") for c in others)
+      fits = [d for d in sorted(SHIPPED_DRAFTERS_DIR.iterdir()) if ours(d.name) and _config_vocab(d) == vocab]
       if not fits:
         raise FileNotFoundError(f"no shipped {name} drafter for this target (vocabulary {vocab}); train one with "
                                 "`longspec train-drafter` and pass --drafter DIR")

@@ -17,10 +17,15 @@ Where the GRU starts (`gru_start`):
   "first_draft": the public runtime. Draft 1 is DFlash's alone; the GRU starts at draft 1 (never sees the pending
     token). Position 0's alpha/beta are ignored. Public checkpoints load in this mode.
 
+The base is any parallel block drafter with `block_logits(params, state, pending, num_draft)`: DFlash (the
+paper's) or LongSpark without a Markov head (`longspark-dels`: the head corrects its later slots the same way).
+
 Tensor names follow the public local-head state dict (`prefix_gru.weight_ih_l0` [3G, E] with gates r, z, n,
-`prefix_gru.weight_hh_l0` [3G, G], `rank_proj.weight` [r, G], `low_rank_lm_head.weight` [V, r],
-`embed_tokens.weight` [V, E] for the projected-input / direct-vocab variant) plus `log_prior` [V]. DeLS adds no
-state: it carries DFlash's state and DFlash's update.
+`prefix_gru.weight_hh_l0` [3G, G], `rank_proj.weight` [r, G], and either the direct-vocab tables
+`embed_tokens.weight` [V, E] and `low_rank_lm_head.weight` [V, r], or the unmerged projections of the target's
+own tables `embed_down_proj.weight` [E, H] and `rank_to_hidden.weight` [H, r], fused with the target's embedding and
+LM head at load: 100x smaller for a 49K vocabulary) plus `log_prior` [V]. DeLS adds no state: it carries the base's
+state and the base's update.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 from longspec_jax.config import read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.drafters.dflash import DFlashDrafter, load_dflash
+from longspec_jax.drafters.longspark import ARCHITECTURE as LONGSPARK, LongSparkDrafter, load_longspark
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.sampling import processed_log_probs
 
@@ -45,9 +51,12 @@ GRU_STARTS = ("pending", "first_draft")
 ACTIVATIONS = ("identity", "silu")
 # Public state-dict name -> our head pytree key.
 TENSOR_NAMES = {"embed_tokens.weight": "emb", "prefix_gru.weight_ih_l0": "w_ih", "prefix_gru.weight_hh_l0": "w_hh",
-                "rank_proj.weight": "rank", "low_rank_lm_head.weight": "head", "log_prior": "log_prior"}
+                "rank_proj.weight": "rank", "low_rank_lm_head.weight": "head", "log_prior": "log_prior",
+                "embed_down_proj.weight": "proj", "rank_to_hidden.weight": "up"}
 DRAFTERS = (DrafterEntry(name="dels", loader="load_dels", checkpoint="dels",
-                         trainer="longspec_jax.training.train_dels:DeLSTrainConfig:train_dels"),)
+                         trainer="longspec_jax.training.train_dels:DeLSTrainConfig:train_dels"),
+            # The local head over LongSpark (checkpoint: its alpha/beta and head, naming the LongSpark it corrects).
+            DrafterEntry(name="longspark-dels", loader="load_dels", checkpoint="longspark-dels"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +140,11 @@ def combine(base, local, log_prior, alpha, beta):
   return base + alpha[..., None] * local - beta[..., None] * log_prior
 
 
-def decode_block(cfg: DeLSConfig, head, base_logits, pending, sp=None, key=None):
-  """Left-to-right decode of one block. base_logits [B, K, V] (DFlash), pending [B].
-  Returns (drafts [B, K], z [B, K, V]) greedily (sp None), or (drafts, log q [B, K, V]) when sampling with sp."""
+def decode_block(cfg: DeLSConfig, head, base_logits, pending, sp=None, key=None, ids=None):
+  """Left-to-right decode of one block. base_logits [B, K, V] (the base's), pending [B].
+  Returns (drafts [B, K], z [B, K, V]) greedily (sp None), or (drafts, log q [B, K, V]) when sampling with sp.
+  ids [N]: the columns are these target tokens alone (a draft vocabulary; head["head"] and the prior cut to them),
+  z / log q cover them and drafts are target ids."""
   b, k, _ = base_logits.shape
   alpha, beta, feed = cfg.mix_weights(k)
   # Everything that does not depend on the drafts is done for the whole block before the scan: the prior term,
@@ -148,6 +159,7 @@ def decode_block(cfg: DeLSConfig, head, base_logits, pending, sp=None, key=None)
     z = base_i + a_i * local_logits(cfg, head, h)
     out = z if sp is None else processed_log_probs(z, sp)
     tok = jnp.argmax(out + g_i, -1).astype(jnp.int32)
+    tok = tok if ids is None else ids[tok]
     return (h, tok), (tok, out)
 
   h0 = jnp.zeros((b, cfg.gru_hidden_dim), jnp.float32)
@@ -157,11 +169,14 @@ def decode_block(cfg: DeLSConfig, head, base_logits, pending, sp=None, key=None)
 
 @dataclasses.dataclass(frozen=True)
 class DeLSDrafter:
-  base: DFlashDrafter
+  base: DFlashDrafter | LongSparkDrafter
   cfg: DeLSConfig
   name: str = "dels"
-  needs_target_kv: bool = False
-  catch_up_in_propose = False  # the base DFlash's update
+  catch_up_in_propose = False  # the base's update
+
+  @property
+  def needs_target_kv(self) -> bool:
+    return self.base.needs_target_kv
 
   @property
   def taps(self) -> tuple[int, ...]:
@@ -181,26 +196,42 @@ class DeLSDrafter:
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
     pending = ctx.pending
     base_logits = self.base.block_logits(params["base"], state, pending, num_draft)
+    # A base with a draft vocabulary gives -inf to every other token, so the block is decoded over its columns
+    # alone (the head and prior were cut to them in dels_from_head): the same drafts and q, a 6x smaller head.
+    ids = params["base"]["io"].get("draft_ids")
+    if ids is not None:
+      base_logits = jnp.take(base_logits, ids, axis=-1)
     if not sample:
-      drafts, _ = decode_block(self.cfg, params["head"], base_logits, pending)
+      drafts, _ = decode_block(self.cfg, params["head"], base_logits, pending, ids=ids)
       return drafts, None, state
-    drafts, logq = decode_block(self.cfg, params["head"], base_logits, pending, ctx.sampling, key)
-    return drafts, jnp.exp(logq), state
+    drafts, logq = decode_block(self.cfg, params["head"], base_logits, pending, ctx.sampling, key, ids)
+    q = jnp.exp(logq)
+    if ids is not None:
+      q = jnp.zeros(q.shape[:-1] + (self.vocab_size,), q.dtype).at[..., ids].set(q)
+    return drafts, q, state
 
   def update(self, params, state, verify):
     return self.base.update(params["base"], state, verify)
 
 
-def dels_from_head(base: LoadedDrafter, cfg: DeLSConfig, head: dict) -> LoadedDrafter:
+def dels_from_head(base: LoadedDrafter, cfg: DeLSConfig, head: dict, name: str = "dels") -> LoadedDrafter:
+  if not isinstance(base.spec, (DFlashDrafter, LongSparkDrafter)):
+    raise ValueError(f"DeLS corrects a parallel block drafter (DFlash or LongSpark), not {base.spec.name!r}")
+  if isinstance(base.spec, LongSparkDrafter) and base.spec.cfg.markov_rank:
+    raise ValueError("DeLS over a LongSpark with a Markov head: its slots already read the previous draft; use "
+                     "one without (markov_rank 0)")
   if cfg.vocab_size != base.spec.vocab_size:
     raise ValueError(f"DeLS local head vocabulary {cfg.vocab_size} does not match the base drafter's "
                      f"{base.spec.vocab_size}")
-  if len(cfg.alpha) < base.spec.cfg.block_size - 1:
-    raise ValueError(f"DeLS has alpha/beta for {len(cfg.alpha)} positions; the base DFlash drafts up to "
-                     f"{base.spec.cfg.block_size - 1}")
+  if len(cfg.alpha) < base.spec.max_draft_tokens:
+    raise ValueError(f"DeLS has alpha/beta for {len(cfg.alpha)} positions; the base {base.spec.name} drafts up to "
+                     f"{base.spec.max_draft_tokens}")
   check_head(cfg, head)
   head = {k: jnp.asarray(v, jnp.float32) for k, v in head.items()}
-  return LoadedDrafter(DeLSDrafter(base=base.spec, cfg=cfg), {"base": base.params, "head": head})
+  ids = base.params["io"].get("draft_ids")
+  if ids is not None:  # see DeLSDrafter.propose
+    head = {**head, "head": head["head"][ids], "log_prior": head["log_prior"][ids]}
+  return LoadedDrafter(DeLSDrafter(base=base.spec, cfg=cfg, name=name), {"base": base.params, "head": head})
 
 
 def head_shapes(cfg: DeLSConfig) -> dict:
@@ -218,6 +249,14 @@ def check_head(cfg: DeLSConfig, head: dict) -> None:
     raise ValueError(f"DeLS local head tensor shapes (got, expected): {bad}")
 
 
+def fuse_factors(io: dict, proj, up) -> dict:
+  """The direct-vocab tables {emb [V, E], head [V, r]} from the projections of the target's own tables: proj
+  [E, H] (embedding -> GRU input) and up [H, r] (rank -> the target's LM head). io: frozen_target.target_io."""
+  embed = jnp.asarray(io["embed"], jnp.float32)  # [V, H]
+  lm_head = jnp.asarray(io["lm_head"], jnp.float32).T if "lm_head" in io else embed  # [V or N, H]
+  return {"emb": embed @ jnp.asarray(proj, jnp.float32).T, "head": lm_head @ jnp.asarray(up, jnp.float32)}
+
+
 def unigram_log_prior(counts, vocab_size: int) -> np.ndarray:
   """log((count + 1) / sum): add-one smoothing over the vocabulary, as the public code does."""
   c = np.zeros(vocab_size, np.float64)
@@ -233,22 +272,35 @@ def unigram_log_prior(counts, vocab_size: int) -> np.ndarray:
 
 def save_dels_dir(cfg: DeLSConfig, head: dict, out_dir, base_drafter: str, extra_config: dict | None = None) -> Path:
   """config.json + model.safetensors (bf16 tables, fp32 prior). base_drafter: a shipped drafter name or a path
-  (relative to out_dir) of the frozen DFlash this head was tuned on."""
+  (relative to out_dir) of the frozen base this head was tuned on. `head` holds either the direct-vocab tables
+  (emb, head) or the target-table projections (proj, up: see fuse_factors), saved as given."""
   import ml_dtypes
   from safetensors.numpy import save_file
 
-  check_head(cfg, head)
+  factored = "proj" in head
+  if factored:
+    want = {"proj": (cfg.embed_dim, None), "up": (None, cfg.low_rank_dim)}
+    bad = {k: tuple(head[k].shape) for k, (a, b) in want.items()
+           if np.ndim(head[k]) != 2 or (a and head[k].shape[0] != a) or (b and head[k].shape[1] != b)}
+    if bad:
+      raise ValueError(f"DeLS projections need proj [E={cfg.embed_dim}, H] and up [H, r={cfg.low_rank_dim}], "
+                       f"got {bad}")
+    check_head(cfg, {**head, "emb": np.zeros((cfg.vocab_size, cfg.embed_dim)),
+                     "head": np.zeros((cfg.vocab_size, cfg.low_rank_dim))})
+  else:
+    check_head(cfg, head)
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   conf = {"architectures": [ARCHITECTURE], "base_drafter": base_drafter,
           "model_config": {"vocab_size": cfg.vocab_size, "embed_dim": cfg.embed_dim,
                            "gru_hidden_dim": cfg.gru_hidden_dim, "low_rank_dim": cfg.low_rank_dim,
-                           "rank_activation": cfg.rank_activation, "rnn_parameterization": "direct_vocab",
-                           "lm_head_mode": "low_rank"},
+                           "rank_activation": cfg.rank_activation,
+                           "rnn_parameterization": "projected_target_embedding" if factored else "direct_vocab",
+                           "lm_head_mode": "target_lm_head" if factored else "low_rank"},
           "gru_start": cfg.gru_start, "alpha": list(cfg.alpha), "beta": list(cfg.beta), **(extra_config or {})}
   (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
   names = {v: k for k, v in TENSOR_NAMES.items()}
-  tensors = {names[k]: np.asarray(v, np.float32) for k, v in head.items()}
+  tensors = {names[k]: np.ascontiguousarray(v, np.float32) for k, v in head.items()}  # (safetensors writes the buffer)
   tensors = {k: (v if k == "log_prior" else v.astype(ml_dtypes.bfloat16)) for k, v in tensors.items()}
   save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
   return out_dir
@@ -263,8 +315,19 @@ def resolve_base_dir(drafter_dir: Path, name: str) -> Path:
   return path if path.is_absolute() else drafter_dir / path
 
 
+def load_base(base_dir, target, sharpdraft=None) -> LoadedDrafter:
+  """The block drafter a DeLS head corrects: DFlash or LongSpark, by its config's architecture (each drafting over
+  the draft vocabulary it was trained with)."""
+  archs = read_config_json(Path(base_dir) / "config.json", "DeLS base drafter").get("architectures") or []
+  if LONGSPARK in archs:
+    if sharpdraft is not None:
+      raise ValueError("SharpDraft applies to a DFlash base; LongSpark's views do not grow with the context")
+    return load_longspark(base_dir, target)
+  return load_dflash(base_dir, target, sharpdraft=sharpdraft)
+
+
 def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None) -> LoadedDrafter:
-  """Our DeLS directory: the local head, its alpha/beta, and the base DFlash it names (or `base_dir`)."""
+  """Our DeLS directory: the local head, its alpha/beta, and the base block drafter it names (or `base_dir`)."""
   from longspec_jax.hf_io import _read_tensors
   drafter_dir = Path(drafter_dir)
   path = drafter_dir / "config.json"
@@ -281,9 +344,16 @@ def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None) -> LoadedDraf
   if unknown:
     raise ValueError(f"unexpected DeLS tensors {unknown} in {drafter_dir}")
   head = {TENSOR_NAMES[k]: np.asarray(v, np.float32) for k, v in tensors.items()}
-  base = load_dflash(Path(base_dir) if base_dir else resolve_base_dir(drafter_dir, conf["base_drafter"]), target,
-                     sharpdraft=sharpdraft)
-  return dels_from_head(base, cfg, head)
+  if "proj" in head or "up" in head:
+    if not {"proj", "up"} <= set(head) or {"emb", "head"} & set(head):
+      raise ValueError(f"{drafter_dir}: a DeLS head holds either both projections (embed_down_proj, "
+                       f"rank_to_hidden) or both direct-vocab tables, got {sorted(tensors)}")
+    from longspec_jax.drafters.frozen_target import target_io
+    head.update(fuse_factors(target_io(target), head.pop("proj"), head.pop("up")))
+  base = load_base(Path(base_dir) if base_dir else resolve_base_dir(drafter_dir, conf["base_drafter"]), target,
+                   sharpdraft)
+  name = "longspark-dels" if isinstance(base.spec, LongSparkDrafter) else "dels"
+  return dels_from_head(base, cfg, head, name=name)
 
 
 # ---- public local-head checkpoints (SpecForge local_head.pt / merged_rnn_local_head.pt) -------------------------

@@ -329,9 +329,10 @@ class LongSparkDrafter:
     return LongSparkState(g_out=g_out, g_lse=g_lse, ring_k=gather(k).astype(model.dtype),
                           ring_v=gather(v).astype(model.dtype), hidden=hidden.astype(jnp.float32), length=lens)
 
-  def block_logits(self, params, state: LongSparkState, pending, record=None):
-    """Base logits [B, B_s, V] (before the Markov term) of the block anchored at `pending` (position length).
-    `record`, a list, receives per layer the [B, B_s, Hq, 3] attention mass on (Global, Raw, Local)."""
+  def block_logits(self, params, state: LongSparkState, pending, num_draft: int | None = None, record=None):
+    """Base logits [B, num_draft (default B_s), V] (before the Markov term) of the block anchored at `pending`
+    (position length). `record`, a list, receives per layer the [B, B_s, Hq, 3] attention mass on (Global, Raw,
+    Local)."""
     model, cfg = self._model(params), self.cfg
     a = cfg.arch
     b = pending.shape[0]
@@ -353,14 +354,14 @@ class LongSparkDrafter:
       return out
 
     x = model.block_input(params["io"], pending, state.hidden)
-    h = model.block_hidden(x, pos, attend)
+    h = model.block_hidden(x, pos, attend)[:, :num_draft]
     return head_logits(params["io"], apply_final_norm(params["io"], h))
 
   def diagnostics(self, params, state, ctx):
     """Attention mass of the next block's queries on (Global, Raw, Local) per drafter layer, [L, 3] (mean over
     sequences, block rows and heads): how much each view carries at this context."""
     record = []
-    self.block_logits(params, state, ctx.pending, record=record)
+    self.block_logits(params, state, ctx.pending, 1, record=record)
     return {"view_mass_global_raw_local": jnp.stack([r.mean((0, 1, 2)) for r in record])}
 
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
@@ -368,7 +369,7 @@ class LongSparkDrafter:
     if not 1 <= num_draft <= bs:
       raise ValueError(f"num_draft {num_draft} is outside [1, {bs}] for a LongSpark block of {bs}")
     pending = ctx.pending
-    base = self.block_logits(params, state, pending)[:, :num_draft]
+    base = self.block_logits(params, state, pending, num_draft)
     model = self._model(params)
     if model.parallel_markov_head is None:
       if not sample:
