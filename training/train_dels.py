@@ -25,11 +25,11 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
-from longspec_jax.config import read_config_json
-from longspec_jax.drafters.dels import (DeLSConfig, combine, fuse_factors, local_block_logits, resolve_base_dir,
-                                        save_dels_dir, unigram_log_prior)
+from longspec_jax.drafters.dels import (TENSOR_NAMES, DeLSConfig, base_is_longspark, combine, cut_to_draft_vocab,
+                                        fuse_factors, local_block_logits, resolve_base_dir, save_dels_dir,
+                                        unigram_log_prior)
 from longspec_jax.drafters.dflash import load_dflash_model
-from longspec_jax.drafters.frozen_target import target_io
+from longspec_jax.drafters.frozen_target import read_draft_vocab, target_io, trained_draft_vocab
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
@@ -327,45 +327,37 @@ def export_dels(cfg: DeLSTrainConfig, dcfg: DeLSConfig, saved, base_dir: Path, t
 
 # --- training from a distillation store ------------------------------------------------------------------------
 
-def _draft_ids(t2d) -> np.ndarray:
-  """Target ids of a draft vocabulary in column order, from t2d [V] (a target id's column or -1)."""
-  t2d = np.asarray(t2d)
-  ids = np.empty(int((t2d >= 0).sum()), np.int64)
-  ids[t2d[t2d >= 0]] = np.flatnonzero(t2d >= 0)
-  return ids
-
-
 @dataclasses.dataclass(frozen=True)
 class StoreBase:
   """The frozen base block drafter scored on a store's held-out blocks: its model, a sampler of those blocks
-  (`num_slots` draft slots each), its block logits [B, A, K, N] of a batch, and the head it drafts with
-  ({"io"[, "t2d"]}: trained_head)."""
+  (`num_slots` draft slots each), its block logits [B, A, K, N] of a batch, the head it drafts with ({"io"[,
+  "t2d"]}: trained_head) and that head's token ids in column order (None: the whole vocabulary)."""
   model: object
   sampler: object
   logits: object
   head_io: dict
   num_slots: int
-
-  @property
-  def draft_ids(self) -> np.ndarray | None:
-    return _draft_ids(self.head_io["t2d"]) if "t2d" in self.head_io else None
+  draft_ids: np.ndarray | None
 
 
 def store_base(base_dir: Path, target, store, val_w, cfg: DeLSTrainConfig) -> StoreBase:
   """DFlash or LongSpark (by the base's architecture) on the held-out windows `val_w`, drawn the way that drafter's
   own store evaluation draws them (evaluate_dflash_on_store / evaluate_longspark_on_store), cfg.val_anchors each."""
-  from longspec_jax.drafters.longspark import ARCHITECTURE as LONGSPARK, load_longspark_model
+  from longspec_jax.drafters.longspark import load_longspark_model
   from longspec_jax.training import train_longspark
-  if LONGSPARK in (read_config_json(base_dir / "config.json", "DeLS base drafter").get("architectures") or []):
+  size = trained_draft_vocab(base_dir)
+  ids = read_draft_vocab(base_dir, size) if size else None
+  if base_is_longspark(base_dir):
     model = load_longspark_model(base_dir)
     sampler = train_longspark.store_eval_sampler(model, store, val_w, cfg.seed + 1, cfg.val_anchors)
     return StoreBase(model, sampler, train_longspark.batch_logits,
-                     trained_head(target_io(target, final_norm=True), base_dir), model.cfg.block_size)
+                     trained_head(target_io(target, final_norm=True), base_dir), model.cfg.block_size, ids)
   model = load_dflash_model(base_dir)
   model.cfg.check_target(target.cfg)
   sampler = dflash_store_sampler(store, val_w, model.cfg.taps, model.cfg.block_size, cfg.seed + 1, cfg.context_len,
                                  cfg.val_anchors, pad_token(target.cfg))
-  return StoreBase(model, sampler, batch_logits, trained_head(target_io(target), base_dir), model.cfg.block_size - 1)
+  return StoreBase(model, sampler, batch_logits, trained_head(target_io(target), base_dir), model.cfg.block_size - 1,
+                   ids)
 
 
 def _store_head_factors(cfg: DeLSTrainConfig, store, target, train_w, num_slots: int, draft_ids, log_prior,
@@ -411,7 +403,6 @@ def _store_head_factors(cfg: DeLSTrainConfig, store, target, train_w, num_slots:
 def read_head_factors(drafter_dir, cfg: DeLSTrainConfig) -> dict:
   """The trained tables (HEAD_PARAMS) of an exported DeLS head saved as projections of the target's tables, of
   cfg's shape."""
-  from longspec_jax.drafters.dels import TENSOR_NAMES
   from longspec_jax.hf_io import _read_tensors
   tensors = {TENSOR_NAMES.get(k, k): np.asarray(v, np.float32) for k, v in _read_tensors(Path(drafter_dir)).items()}
   missing = [k for k in HEAD_PARAMS if k not in tensors]
@@ -466,8 +457,7 @@ def store_val_hits(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base: StoreBase
   graphdef, bparams = nnx.split(base.model)
   small = {n: jnp.asarray(x) for n, x in head.items()}
   if base.draft_ids is not None:
-    ids = jnp.asarray(base.draft_ids)
-    small = {**small, "head": small["head"][ids], "log_prior": small["log_prior"][ids]}
+    small = cut_to_draft_vocab(small, jnp.asarray(base.draft_ids))
   t2d = jnp.asarray(base.head_io["t2d"]) if "t2d" in base.head_io else jnp.arange(dcfg.vocab_size, dtype=jnp.int32)
   grid = jnp.asarray([(a, b) for a in cfg.alpha_grid for b in cfg.beta_grid], jnp.float32)
 

@@ -230,7 +230,7 @@ def dels_from_head(base: LoadedDrafter, cfg: DeLSConfig, head: dict, name: str =
   head = {k: jnp.asarray(v, jnp.float32) for k, v in head.items()}
   ids = base.params["io"].get("draft_ids")
   if ids is not None:  # see DeLSDrafter.propose
-    head = {**head, "head": head["head"][ids], "log_prior": head["log_prior"][ids]}
+    head = cut_to_draft_vocab(head, ids)
   return LoadedDrafter(DeLSDrafter(base=base.spec, cfg=cfg, name=name), {"base": base.params, "head": head})
 
 
@@ -315,11 +315,21 @@ def resolve_base_dir(drafter_dir: Path, name: str) -> Path:
   return path if path.is_absolute() else drafter_dir / path
 
 
-def load_base(base_dir, target, sharpdraft=None) -> LoadedDrafter:
-  """The block drafter a DeLS head corrects: DFlash or LongSpark, by its config's architecture (each drafting over
-  the draft vocabulary it was trained with)."""
+def base_is_longspark(base_dir) -> bool:
+  """Whether the block drafter in base_dir is a LongSpark (else a DFlash), by its config's architecture."""
   archs = read_config_json(Path(base_dir) / "config.json", "DeLS base drafter").get("architectures") or []
-  if LONGSPARK in archs:
+  return LONGSPARK in archs
+
+
+def cut_to_draft_vocab(head: dict, ids) -> dict:
+  """The head's output table and prior cut to a base's draft vocabulary `ids` (see DeLSDrafter.propose)."""
+  return {**head, "head": head["head"][ids], "log_prior": head["log_prior"][ids]}
+
+
+def load_base(base_dir, target, sharpdraft=None) -> LoadedDrafter:
+  """The block drafter a DeLS head corrects: DFlash or LongSpark (base_is_longspark), each drafting over the draft
+  vocabulary it was trained with."""
+  if base_is_longspark(base_dir):
     if sharpdraft is not None:
       raise ValueError("SharpDraft applies to a DFlash base; LongSpark's views do not grow with the context")
     return load_longspark(base_dir, target)
