@@ -83,6 +83,14 @@ def check_budget_draw(cfg) -> None:
     raise ValueError(f"budget_probs must sum to 1, got {sum(cfg.budget_probs)}")
 
 
+def multiview_record(cfg, last: dict) -> dict:
+  """drafter.json's record of a multi-view run: its budget draw, schedule and the last logged branch losses."""
+  return {"budgets": list(cfg.budgets), "budget_probs": list(cfg.budget_probs), "sparse_weight": cfg.sparse_weight,
+          "budget_keep_recent": cfg.keep_recent, "steps": cfg.steps, "batch_size": cfg.batch_size,
+          "lr": cfg.optim.lr, "tokens_seen": last.get("tokens"), "final_full_loss": last.get("full_loss"),
+          "final_sparse_loss": last.get("sparse_loss")}
+
+
 def row_key(row: dict) -> str:
   """Cache key of a row: a digest of its tokens (rows are found again whatever the dataset order)."""
   toks = np.asarray(row["prompt"] + row["continuation"], np.int32)
@@ -297,22 +305,13 @@ def export_budget_drafter(model, cfg: BudgetTrainConfig, init_dir: Path, target_
       "target_vocab_size": model.cfg.vocab_size,
       "init_from": str(init_dir),
       "init_n0": init_meta.get("n0"),
-      "budgets": list(cfg.budgets),
-      "budget_probs": list(cfg.budget_probs),
-      "sparse_weight": cfg.sparse_weight,
-      "budget_keep_recent": cfg.keep_recent,
+      **multiview_record(cfg, last),
       "data": {"dir": str(Path(cfg.data_dir).resolve()), **manifest["counts"],
                "temperature": manifest["settings"]["temperature"],
                "greedy_fraction": manifest["settings"]["greedy_fraction"],
                "min_prompt_tokens": manifest["settings"]["min_prompt_tokens"],
                "max_prompt_tokens": manifest["settings"]["max_prompt_tokens"]},
       "teacher": "target greedy tokens (greedy rows: the continuation; sampled rows: target argmax)",
-      "steps": cfg.steps,
-      "batch_size": cfg.batch_size,
-      "lr": cfg.optim.lr,
-      "tokens_seen": last.get("tokens"),
-      "final_full_loss": last.get("full_loss"),
-      "final_sparse_loss": last.get("sparse_loss"),
       "val_rows": int(round(cfg.val_fraction * manifest["counts"]["sequences"])),
       "val_top1_per_slot_note": "classic mode drafts one token per slot from its own prefix: one top-1 per branch",
       "val": metrics,

@@ -38,7 +38,7 @@ from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, la
                                                   store_evaluator, store_record, store_target, train_to_export,
                                                   trained_head, write_drafter_json)
 from longspec_jax.training.drafter_data import target_name, weights_sha256
-from longspec_jax.training.train_budget import check_budget_draw
+from longspec_jax.training.train_budget import check_budget_draw, multiview_record
 from longspec_jax.training.train_dflash import StoreBlockSampler, train_block_logits, train_context_kv
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
@@ -127,17 +127,17 @@ def multiview_loss(model, batch, cfg: DFlashBudgetTrainConfig):
                                              "budget": batch["num_chunks"][0] * CHUNK}
 
 
-def held_out(graphdef, params, samplers: dict, extra: dict, cfg: DFlashBudgetTrainConfig, dtype) -> dict:
-  """{branch: {val_tau_sim, val_acc_j...}} for the full branch and the sparse branch at every budget."""
-  out = {}
+def held_out_evaluator(graphdef, samplers: dict, extra: dict, cfg: DFlashBudgetTrainConfig, dtype):
+  """evaluate(params) -> {branch: {val_tau_sim, val_acc_j...}} for the full branch and the sparse branch at every
+  budget; each branch's stats are compiled, and its held-out batches read, once."""
+  stats_of = {i: block_stats_fn(lambda p, b, i=i: multiview_logits(nnx.merge(graphdef, p), b, cfg.max_budget,
+                                                                    cfg.keep_recent)[i], "kl") for i in (0, 1)}
+  evaluators = {}
   for name, (sampler, branch) in samplers.items():
-    logits_fn = lambda p, b, i=branch: multiview_logits(nnx.merge(graphdef, p), b, cfg.max_budget,  # noqa: E731
-                                                        cfg.keep_recent)[i]
-    stats = block_stats_fn(logits_fn, "kl")
-    out[name] = store_evaluator(lambda p, b, s=stats: s(p, {**b, "taps": b["taps"].astype(dtype), **extra}), sampler,
-                                cfg.batch_size,
-                                cfg.val_windows)(params)
-  return out
+    stats = stats_of[branch]  # the budget is in the batch (num_chunks): one compile serves every sparse budget
+    evaluators[name] = store_evaluator(lambda p, b, s=stats: s(p, {**b, "taps": b["taps"].astype(dtype), **extra}),
+                                       sampler, cfg.batch_size, cfg.val_windows)
+  return lambda params: {name: evaluate(params) for name, evaluate in evaluators.items()}
 
 
 def train_dflash_budget(cfg: DFlashBudgetTrainConfig, resume: bool = True) -> Path:
@@ -175,7 +175,8 @@ def train_dflash_budget(cfg: DFlashBudgetTrainConfig, resume: bool = True) -> Pa
         f"{cfg.min_prompt}, loss {cfg.distill}")
 
   graphdef, params = nnx.split(model)
-  initial = held_out(graphdef, params, val_samplers, local_extra, cfg, dtype)
+  held_out = held_out_evaluator(graphdef, val_samplers, local_extra, cfg, dtype)
+  initial = held_out(params)
   print("held-out tau_sim before:", {k: v["val_tau_sim"] for k, v in initial.items()}, flush=True)
   run = start_run(cfg, params, resume=resume, record=dataclasses.asdict(cfg))
   extra = {k: run.replicate(v) for k, v in local_extra.items()}
@@ -191,7 +192,7 @@ def train_dflash_budget(cfg: DFlashBudgetTrainConfig, resume: bool = True) -> Pa
                                      tokens_fn=lambda s: cfg.batch_size * cfg.context_len)
   if stopped:
     return stopped
-  after = held_out(graphdef, trained, val_samplers, local_extra, cfg, dtype)
+  after = held_out(trained)
   print("held-out tau_sim after:", {k: v["val_tau_sim"] for k, v in after.items()}, flush=True)
   trained = nnx.merge(graphdef, trained)
   final = save_dflash_dir(trained, Path(cfg.out_dir) / "final", dtype=jnp.bfloat16)
@@ -211,19 +212,10 @@ def train_dflash_budget(cfg: DFlashBudgetTrainConfig, resume: bool = True) -> Pa
       "data": store_record(store, train_w, val_w, train_tokens, "taps"),
       "loss": cfg.distill,
       "draft_vocab_size": init_meta.get("draft_vocab_size"),
-      "budgets": list(cfg.budgets),
-      "budget_probs": list(cfg.budget_probs),
-      "sparse_weight": cfg.sparse_weight,
-      "budget_keep_recent": cfg.keep_recent,
+      **multiview_record(cfg, last),
       "context_len": cfg.context_len,
       "min_prompt": cfg.min_prompt,
       "continuation_len": cfg.continuation_len,
-      "steps": cfg.steps,
-      "batch_size": cfg.batch_size,
-      "lr": cfg.optim.lr,
-      "tokens_seen": last.get("tokens"),
-      "final_full_loss": last.get("full_loss"),
-      "final_sparse_loss": last.get("sparse_loss"),
       "val_tau_sim": {"initial": {k: v["val_tau_sim"] for k, v in initial.items()},
                       "trained": {k: v["val_tau_sim"] for k, v in after.items()}},
   }

@@ -217,12 +217,15 @@ def budget_from_model(model, budget: int = 256, keep_recent: bool = True, tail_t
 def load_budget(drafter_dir, budget: int = 256, keep_recent: bool | None = None) -> LoadedDrafter:
   """keep_recent None: the rule the checkpoint was trained with (drafter.json), else keep the recent chunk."""
   from longspec_jax.hf_io import load_model_dir
-  drafter_dir = Path(drafter_dir)
-  meta_path = drafter_dir / "drafter.json"
-  meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
   if keep_recent is None:
-    keep_recent = meta.get("budget_keep_recent", True)
+    keep_recent = trained_keep_recent(drafter_dir)
   return budget_from_model(load_model_dir(drafter_dir), budget, keep_recent)
+
+
+def trained_keep_recent(drafter_dir) -> bool:
+  """The selection rule a checkpoint was trained with (drafter.json's budget_keep_recent; True when absent)."""
+  meta_path = Path(drafter_dir) / "drafter.json"
+  return json.loads(meta_path.read_text()).get("budget_keep_recent", True) if meta_path.exists() else True
 
 
 def load_for_target(drafter_dir, target, budget: int = 256) -> LoadedDrafter:
@@ -290,11 +293,8 @@ class DFlashBudgetDrafter(DFlashDrafter):
     return super().block_logits(params, state, pending, num_draft)
 
   def update(self, params, state: DFlashBudgetState, verify):
-    model = self._model(params)
-    b, k1 = verify.taps.shape[:2]
-    pos = verify.start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
-    k, v = model.context_kv(model.context(verify.taps), pos)
-    rows = jnp.arange(b)[:, None]
+    pos, k, v = self.verified_context_kv(params, verify)
+    rows = jnp.arange(pos.shape[0])[:, None]
     slot = pos % self.tail_tokens
     # All K+1 verified rows are written; only those below the new length are seen, the rest get overwritten.
     write = lambda bufs, new: tuple(buf.at[rows, slot].set(x.astype(buf.dtype)) for buf, x in zip(bufs, new))
@@ -307,8 +307,6 @@ def load_dflash_budget(drafter_dir, target, budget: int = 256, draft_vocab: int 
   """A DFlash checkpoint (multi-view fine-tuned, or any: naive sparse) drafting over a sparse context view."""
   from longspec_jax.drafters.dflash import load_dflash
   loaded = load_dflash(drafter_dir, target, draft_vocab=draft_vocab)
-  meta_path = Path(drafter_dir) / "drafter.json"
-  meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
   spec = DFlashBudgetDrafter(graphdef=loaded.spec.graphdef, cfg=loaded.spec.cfg, budget=budget,
-                             keep_recent=meta.get("budget_keep_recent", True))
+                             keep_recent=trained_keep_recent(drafter_dir))
   return dataclasses.replace(loaded, spec=spec)

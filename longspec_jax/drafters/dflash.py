@@ -243,12 +243,16 @@ class DFlashDrafter:
     drafts = jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)
     return drafts, jnp.exp(logq), state
 
-  def update(self, params, state, verify):
+  def verified_context_kv(self, params, verify):
+    """(positions [B, K+1], per-layer context k, v [L_d, B, K+1, Hkv, D]) of every verified row."""
     model = self._model(params)
-    b, k1 = verify.taps.shape[:2]
+    k1 = verify.taps.shape[1]
     pos = verify.start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
-    k, v = model.context_kv(model.context(verify.taps), pos)
-    rows = jnp.arange(b)[:, None]
+    return (pos, *model.context_kv(model.context(verify.taps), pos))
+
+  def update(self, params, state, verify):
+    pos, k, v = self.verified_context_kv(params, verify)
+    rows = jnp.arange(pos.shape[0])[:, None]
     # All K+1 verified rows are written; only the committed ones count (length), the rest get overwritten.
     write = lambda bufs, new: tuple(buf.at[rows, pos].set(x.astype(buf.dtype), mode="drop")
                                     for buf, x in zip(bufs, new))
