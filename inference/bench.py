@@ -44,12 +44,12 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
               seed: int = 0, batch: int = 1, num_draft: int | None = None, drafter_dir=None, repeats: int = 3,
               top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None,
               budget: int | None = None, draft_length=None, learned: str | None = None,
-              draft_vocab: int | None = None) -> dict:
+              draft_vocab: int | None = None, parts: str | None = None) -> dict:
   """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
   in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)
   drafter = load_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget, learned=learned,
-                         draft_vocab=draft_vocab)
+                         draft_vocab=draft_vocab, parts=parts)
   prompts = bench_prompts(tok.encode(text).ids, context, batch, model.cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
   # The speculative call as generate() will run it: checks, K (the drafter's default when None), buckets.

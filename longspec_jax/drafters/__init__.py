@@ -28,6 +28,8 @@ LEARNED_METHODS = sorted(e.name for e in ENTRIES.values() if e.checkpoint and "l
 # Methods that read logits through the target's frozen LM head and can cut it to a draft vocabulary
 # (`--draft-vocab N`: the N ids first in the checkpoint's draft_vocab.json).
 DRAFT_VOCAB_METHODS = sorted(e.name for e in ENTRIES.values() if "draft_vocab" in e.options)
+# Methods made of parts that `--parts A+B` turns on (the rest off): the combined drafter.
+PARTS_METHODS = sorted(e.name for e in ENTRIES.values() if "parts" in e.options)
 
 
 def method_names() -> list[str]:
@@ -42,7 +44,8 @@ def drafter_entry(name: str) -> DrafterEntry:
 
 
 def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None = None,
-                          learned: str | None = None, draft_vocab: int | None = None) -> None:
+                          learned: str | None = None, draft_vocab: int | None = None,
+                          parts: str | None = None) -> None:
   """Raises ValueError when an option does not apply to method `name` (jax-free: the CLI calls it before any
   model loads; load_drafter calls it too)."""
   from longspec_jax.sharpdraft_names import CHOICES
@@ -66,6 +69,11 @@ def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None
     if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 1:
       raise ValueError(f"draft_vocab must be an integer >= 1 (tokens kept in the drafter's LM head), got "
                        f"{draft_vocab!r}")
+  if parts is not None:
+    if not (entry and "parts" in entry.options):
+      raise ValueError(f"--parts applies to {', '.join(PARTS_METHODS)}, not to method {name!r}")
+    if not isinstance(parts, str) or not parts:
+      raise ValueError(f"parts must be part names joined by '+' (e.g. longspark+dels), got {parts!r}")
 
 
 def _vocab_size(target) -> int | None:
@@ -120,18 +128,20 @@ def drafter_path(name: str, drafter_dir=None, target=None, learned: str | None =
 
 def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
                  budget: int | None = None, learned: str | None = None,
-                 draft_vocab: int | None = None) -> LoadedDrafter | None:
+                 draft_vocab: int | None = None, parts: str | None = None) -> LoadedDrafter | None:
   """The drafter of method `name` (see method_names()) for `target`, for `generate(..., drafter=)`; None for "ar".
 
   drafter_dir: a trained checkpoint directory (None = the one shipped for the default target).
   sharpdraft: "off" | "fixed" | "exact" (reads sharpdraft.json beside the drafter checkpoint).
-  budget: drafter KV entries kept from the prompt (BUDGET_METHODS only; None = their default, 256).
+  budget: drafter KV entries kept from the prompt (BUDGET_METHODS only; None = their default: 256, or for `dels`
+  no budget, the full DFlash context).
   learned: the learned drafter of a composite method (COMPOSITE_METHODS: the hybrid; None = its default), whose
   checkpoint `drafter_dir` then is.
   draft_vocab: the drafter's LM head cut to the first N ids of its checkpoint's draft_vocab.json (the target's
-  most frequent next tokens; DRAFT_VOCAB_METHODS only; None = the full vocabulary)."""
+  most frequent next tokens; DRAFT_VOCAB_METHODS only; None = the full vocabulary).
+  parts: the parts of a PARTS_METHODS drafter that are on, joined by '+' (None = all its checkpoint names)."""
   from longspec_jax.sharpdraft import load_sharpdraft
-  check_drafter_options(name, sharpdraft, budget, learned, draft_vocab)
+  check_drafter_options(name, sharpdraft, budget, learned, draft_vocab, parts)
   entry = None if name == "ar" else drafter_entry(name)
   if entry is None:
     return None
@@ -141,6 +151,8 @@ def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
     options["learned"] = learned
   if draft_vocab is not None:
     options["draft_vocab"] = draft_vocab
+  if parts is not None:
+    options["parts"] = parts
   if entry.sharpdraft:
     options["sharpdraft"] = load_sharpdraft(path, sharpdraft, name) if sharpdraft != "off" else None
   return entry.load(path, target, **options)

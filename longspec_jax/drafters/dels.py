@@ -18,7 +18,8 @@ Where the GRU starts (`gru_start`):
     token). Position 0's alpha/beta are ignored. Public checkpoints load in this mode.
 
 The base is any parallel block drafter with `block_logits(params, state, pending, num_draft)`: DFlash (the
-paper's) or LongSpark without a Markov head (`longspark-dels`: the head corrects its later slots the same way).
+paper's), DFlash over BudgetDraft's sparse context view (`dels --budget N`), LongSpark without a Markov head
+(`longspark-dels`: the head corrects its later slots the same way), or their ensemble (combined.py).
 
 Tensor names follow the public local-head state dict (`prefix_gru.weight_ih_l0` [3G, E] with gates r, z, n,
 `prefix_gru.weight_hh_l0` [3G, G], `rank_proj.weight` [r, G], and either the direct-vocab tables
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,7 @@ import numpy as np
 
 from longspec_jax.config import read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
-from longspec_jax.drafters.dflash import DFlashDrafter, load_dflash
+from longspec_jax.drafters.dflash import load_dflash
 from longspec_jax.drafters.longspark import ARCHITECTURE as LONGSPARK, LongSparkDrafter, load_longspark
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.sampling import processed_log_probs
@@ -53,7 +55,9 @@ ACTIVATIONS = ("identity", "silu")
 TENSOR_NAMES = {"embed_tokens.weight": "emb", "prefix_gru.weight_ih_l0": "w_ih", "prefix_gru.weight_hh_l0": "w_hh",
                 "rank_proj.weight": "rank", "low_rank_lm_head.weight": "head", "log_prior": "log_prior",
                 "embed_down_proj.weight": "proj", "rank_to_hidden.weight": "up"}
-DRAFTERS = (DrafterEntry(name="dels", loader="load_dels", checkpoint="dels",
+# `budget=N`: the head over BudgetDraft's sparse view of the DFlash context (`dflash-budget`), the combination
+# of two seeds whose state stays constant in the context.
+DRAFTERS = (DrafterEntry(name="dels", loader="load_dels", checkpoint="dels", options=("budget",),
                          trainer="longspec_jax.training.train_dels:DeLSTrainConfig:train_dels"),
             # The local head over LongSpark (checkpoint: its alpha/beta and head, naming the LongSpark it corrects).
             DrafterEntry(name="longspark-dels", loader="load_dels", checkpoint="longspark-dels"))
@@ -169,7 +173,7 @@ def decode_block(cfg: DeLSConfig, head, base_logits, pending, sp=None, key=None,
 
 @dataclasses.dataclass(frozen=True)
 class DeLSDrafter:
-  base: DFlashDrafter | LongSparkDrafter
+  base: Any  # DFlashDrafter | LongSparkDrafter | combined.BlockEnsembleDrafter
   cfg: DeLSConfig
   name: str = "dels"
   catch_up_in_propose = False  # the base's update
@@ -215,8 +219,9 @@ class DeLSDrafter:
 
 
 def dels_from_head(base: LoadedDrafter, cfg: DeLSConfig, head: dict, name: str = "dels") -> LoadedDrafter:
-  if not isinstance(base.spec, (DFlashDrafter, LongSparkDrafter)):
-    raise ValueError(f"DeLS corrects a parallel block drafter (DFlash or LongSpark), not {base.spec.name!r}")
+  if not hasattr(base.spec, "block_logits"):  # DFlash, LongSpark or their ensemble (combined.py)
+    raise ValueError(f"DeLS corrects a parallel block drafter (DFlash, LongSpark or their ensemble), not "
+                     f"{base.spec.name!r}")
   if isinstance(base.spec, LongSparkDrafter) and base.spec.cfg.markov_rank:
     raise ValueError("DeLS over a LongSpark with a Markov head: its slots already read the previous draft; use "
                      "one without (markov_rank 0)")
@@ -326,18 +331,25 @@ def cut_to_draft_vocab(head: dict, ids) -> dict:
   return {**head, "head": head["head"][ids], "log_prior": head["log_prior"][ids]}
 
 
-def load_base(base_dir, target, sharpdraft=None) -> LoadedDrafter:
+def load_base(base_dir, target, sharpdraft=None, budget: int | None = None) -> LoadedDrafter:
   """The block drafter a DeLS head corrects: DFlash or LongSpark (base_is_longspark), each drafting over the draft
-  vocabulary it was trained with."""
+  vocabulary it was trained with; with `budget`, the DFlash over BudgetDraft's sparse context view."""
   if base_is_longspark(base_dir):
     if sharpdraft is not None:
       raise ValueError("SharpDraft applies to a DFlash base; LongSpark's views do not grow with the context")
+    if budget is not None:
+      raise ValueError("a budget applies to a DFlash base; LongSpark's state is constant already")
     return load_longspark(base_dir, target)
+  if budget is not None:
+    if sharpdraft is not None:
+      raise ValueError("SharpDraft scales attention over a growing key set; a budget view's is fixed")
+    from longspec_jax.drafters.budget import load_dflash_budget
+    return load_dflash_budget(base_dir, target, budget=budget)
   return load_dflash(base_dir, target, sharpdraft=sharpdraft)
 
 
-def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None) -> LoadedDrafter:
-  """Our DeLS directory: the local head, its alpha/beta, and the base block drafter it names (or `base_dir`)."""
+def read_dels_head(drafter_dir, target) -> tuple[DeLSConfig, dict, dict]:
+  """(config, head tables, config.json) of our DeLS directory; projected tables are fused with `target`'s."""
   from longspec_jax.hf_io import _read_tensors
   drafter_dir = Path(drafter_dir)
   path = drafter_dir / "config.json"
@@ -360,8 +372,15 @@ def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None) -> LoadedDraf
                        f"rank_to_hidden) or both direct-vocab tables, got {sorted(tensors)}")
     from longspec_jax.drafters.frozen_target import target_io
     head.update(fuse_factors(target_io(target), head.pop("proj"), head.pop("up")))
-  base = load_base(Path(base_dir) if base_dir else resolve_base_dir(drafter_dir, conf["base_drafter"]), target,
-                   sharpdraft)
+  return cfg, head, conf
+
+
+def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None, budget: int | None = None) -> LoadedDrafter:
+  """Our DeLS directory: the local head, its alpha/beta, and the base block drafter it names (or `base_dir`);
+  `budget` puts the DFlash base on BudgetDraft's sparse view (load_base)."""
+  cfg, head, conf = read_dels_head(drafter_dir, target)
+  base = load_base(Path(base_dir) if base_dir else resolve_base_dir(Path(drafter_dir), conf["base_drafter"]),
+                   target, sharpdraft, budget)
   name = "longspark-dels" if isinstance(base.spec, LongSparkDrafter) else "dels"
   return dels_from_head(base, cfg, head, name=name)
 
