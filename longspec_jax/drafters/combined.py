@@ -28,8 +28,8 @@ import numpy as np
 
 from longspec_jax.config import read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.dflash import block_drafts
 from longspec_jax.drafters.registry import DrafterEntry
-from longspec_jax.sampling import processed_log_probs
 
 ARCHITECTURE = "CombinedBlockDrafter"
 BLOCK_PARTS = ("longspark", "dflash")
@@ -99,11 +99,7 @@ class BlockEnsembleDrafter:
     return total
 
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
-    logits = self.block_logits(params, state, ctx.pending, num_draft)
-    if not sample:
-      return jnp.argmax(logits, -1).astype(jnp.int32), None, state
-    logq = processed_log_probs(logits, ctx.sampling)  # block slots are independent draws, as in DFlash
-    return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32), jnp.exp(logq), state
+    return (*block_drafts(self.block_logits(params, state, ctx.pending, num_draft), ctx, key, sample), state)
 
   def update(self, params, state, verify):
     return tuple(p.update(pp, s, self._own(p, verify))

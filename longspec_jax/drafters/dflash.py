@@ -234,14 +234,7 @@ class DFlashDrafter:
     return [length_masked_attention(q, state.k[li].astype(q.dtype), state.v[li].astype(q.dtype), state.length)]
 
   def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
-    pending = ctx.pending
-    logits = self.block_logits(params, state, pending, num_draft)
-    if not sample:
-      return jnp.argmax(logits, -1).astype(jnp.int32), None, state
-    # Block slots are drafted in parallel: each position is an independent draw from its own q.
-    logq = processed_log_probs(logits, ctx.sampling)
-    drafts = jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)
-    return drafts, jnp.exp(logq), state
+    return (*block_drafts(self.block_logits(params, state, ctx.pending, num_draft), ctx, key, sample), state)
 
   def verified_context_kv(self, params, verify):
     """(positions [B, K+1], per-layer context k, v [L_d, B, K+1, Hkv, D]) of every verified row."""
@@ -271,6 +264,15 @@ class DFlashDrafter:
     record = []
     self.block_logits(params, state, tokens[:, -1], 1, record=record)
     return record
+
+
+def block_drafts(logits, ctx, key, sample: bool):
+  """(drafts [B, K], q [B, K, V] or None) from a parallel block's logits: argmax, or, sampling, an independent
+  draw per slot from its own processed distribution (returned as q for exact rejection sampling)."""
+  if not sample:
+    return jnp.argmax(logits, -1).astype(jnp.int32), None
+  logq = processed_log_probs(logits, ctx.sampling)
+  return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32), jnp.exp(logq)
 
 
 def _logits_over(q, k):
