@@ -9,6 +9,8 @@ exchange collectives through gloo.
 
 from __future__ import annotations
 
+SHUTDOWN_TIMEOUT_SECONDS = 3600
+
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> None:
@@ -24,7 +26,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
   # Cross-process collectives on CPU devices (a no-op for TPU and GPU devices).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator, num_processes, process_id)
+  # Process 0 exports and validates a trained drafter while the others wait at the shutdown barrier, which can take
+  # minutes on a busy host; a process that really dies is caught by the heartbeat (100 s), not by this timeout.
+  jax.distributed.initialize(coordinator, num_processes, process_id,
+                             shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS)
 
 
 def is_main_process() -> bool:
