@@ -2,6 +2,7 @@
 shared prefill (a tap-reading drafter gives what `generate` gives), and config errors."""
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -10,7 +11,7 @@ import yaml
 
 from longspec_jax.inference.benchmark.config import SuiteConfig, load_config, parse_method
 from longspec_jax.inference.benchmark.prompts import prompt_ids, select_cuts, spread_ends
-from longspec_jax.inference.benchmark.provenance import drafter_checkpoint, load_target
+from longspec_jax.inference.benchmark.provenance import cpu_snapshot, drafter_checkpoint, load_target, other_cpu_s
 from longspec_jax.inference.benchmark.statistics import bootstrap_ci, cell_summary, paired_difference, ratio_of_rates
 from longspec_jax.inference.benchmark.suite import run_suite
 from longspec_jax.inference.cli import main
@@ -260,3 +261,40 @@ def test_suite_runs_a_method_with_draft_length_auto(env, tmp_path):
   for r in records:
     assert r["exact_match_ar"] is True and r["draft_sizes"] == [0, 1, 3]  # K = 3 (the config's num_draft)
     assert sum(r["size_share"]) == pytest.approx(1.0, abs=1e-3)
+
+
+
+
+def _alive_ticks() -> dict[int, int]:
+  """utime + stime (clock ticks) of every process alive now, by pid."""
+  out = {}
+  for d in Path("/proc").glob("[0-9]*"):
+    try:
+      fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+      out[int(d.name)] = int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+      continue
+  return out
+
+
+def test_other_cpu_counts_a_process_that_ended_before_the_run(tmp_path):
+  """The load a suite run records counts another process's CPU time even when that process ends before the run
+  does (the test suite's workers beside a bench): a detached process (not this one's child) burns 1 s and exits,
+  and what the record counts beyond the processes alive at both ends is that second."""
+  import os
+  import subprocess
+  import sys
+  import time
+  done = tmp_path / "done"
+  burn = f"import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\nopen({str(done)!r}, 'w')"
+  before, alive0 = cpu_snapshot(), _alive_ticks()
+  # `sh -c '... &'` exits at once: the burner is reparented, so its time never reaches this process's children.
+  subprocess.run(["sh", "-c", f'{sys.executable} -c "$0" &', burn], check=True)
+  deadline = time.time() + 60
+  while not done.exists() and time.time() < deadline:
+    time.sleep(0.05)
+  time.sleep(0.2)  # let it exit
+  other, alive1 = other_cpu_s(before, cpu_snapshot()), _alive_ticks()
+  assert done.exists()
+  survivors = sum(t - alive0[pid] for pid, t in alive1.items() if pid in alive0 and pid != os.getpid())
+  assert other - survivors / os.sysconf("SC_CLK_TCK") >= 0.7, (other, survivors)

@@ -75,25 +75,24 @@ def machine_info() -> dict:
                        "numpy": np.__version__}}
 
 
-def cpu_ticks() -> dict[int, int]:
-  """utime + stime (clock ticks) of every process now, by pid."""
-  out = {}
-  for d in Path("/proc").glob("[0-9]*"):
-    try:
-      fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-      out[int(d.name)] = int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-      continue
-  return out
+def cpu_snapshot() -> dict[str, float] | None:
+  """The machine's busy CPU seconds so far (every process, including those that end before the next snapshot:
+  /proc/stat) and this process's own (os.times, its children included)."""
+  try:
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+  except (OSError, IndexError, ValueError):
+    return None
+  busy = sum(fields[:8]) - fields[3] - fields[4]  # user nice system [idle iowait] irq softirq steal
+  own = os.times()
+  return {"busy_s": busy / os.sysconf("SC_CLK_TCK"),
+          "own_s": own.user + own.system + own.children_user + own.children_system}
 
 
-def other_cpu_s(before: dict, after: dict) -> float | None:
-  """CPU seconds used by other processes between two snapshots (processes that ended meanwhile are missed)."""
+def other_cpu_s(before: dict | None, after: dict | None) -> float | None:
+  """CPU seconds used by other processes between two `cpu_snapshot`s (clamped at 0: the two clocks tick apart)."""
   if not before or not after:
     return None
-  me = os.getpid()
-  ticks = sum(t - before.get(pid, 0) for pid, t in after.items() if pid != me)
-  return ticks / os.sysconf("SC_CLK_TCK")
+  return max(0.0, (after["busy_s"] - before["busy_s"]) - (after["own_s"] - before["own_s"]))
 
 
 def rss_bytes() -> int | None:

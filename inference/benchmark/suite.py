@@ -145,7 +145,7 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
   run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
   run_info = {"run_id": run_id, "command": command, "git": provenance.git_state(),
               "machine": provenance.machine_info(), "loadavg_1min_start": os.getloadavg()[0], "todo": len(todo)}
-  ticks0, wall0, cpu0, loads = provenance.cpu_ticks(), time.perf_counter(), time.process_time(), [os.getloadavg()[0]]
+  snap0, wall0, cpu0, loads = provenance.cpu_snapshot(), time.perf_counter(), time.process_time(), [os.getloadavg()[0]]
   timer = measure.Timer()
   bar = tqdm(total=len(todo), file=sys.stderr, disable=not progress, desc="bench-suite", unit="run")
   # One cache size per context for every method, so that all of them start from one prefill.
@@ -203,7 +203,7 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
                   loadavg_1min_samples={"min": min(loads), "max": max(loads), "mean": float(np.mean(loads)),
                                         "n": len(loads)},
                   own_cpu_s=time.process_time() - cpu0,
-                  other_processes_cpu_s=provenance.other_cpu_s(ticks0, provenance.cpu_ticks()), failed=failed)
+                  other_processes_cpu_s=provenance.other_cpu_s(snap0, provenance.cpu_snapshot()), failed=failed)
   with open(out / "runs.jsonl", "a") as f:
     f.write(json.dumps(run_info) + "\n")
   results = report.summarize(cfg, methods, prompts, target, load_records(out), load_runs(out))
