@@ -279,14 +279,15 @@ def _alive_ticks() -> dict[int, int]:
 
 def test_other_cpu_counts_a_process_that_ended_before_the_run(tmp_path):
   """The load a suite run records counts another process's CPU time even when that process ends before the run
-  does (the test suite's workers beside a bench): a detached process (not this one's child) burns 1 s and exits,
-  and what the record counts beyond the processes alive at both ends is that second."""
+  does (the test suite's workers beside a bench): a detached process (not this one's child) burns 2 s and exits,
+  and what the record counts beyond the processes alive at both ends covers most of
+  it (the two clocks differ a little)."""
   import os
   import subprocess
   import sys
   import time
   done = tmp_path / "done"
-  burn = f"import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\nopen({str(done)!r}, 'w')"
+  burn = f"import time\nt = time.process_time()\nwhile time.process_time() - t < 2.0: pass\nopen({str(done)!r}, 'w')"
   before, alive0 = cpu_snapshot(), _alive_ticks()
   # `sh -c '... &'` exits at once: the burner is reparented, so its time never reaches this process's children.
   subprocess.run(["sh", "-c", f'{sys.executable} -c "$0" &', burn], check=True)
@@ -297,4 +298,4 @@ def test_other_cpu_counts_a_process_that_ended_before_the_run(tmp_path):
   other, alive1 = other_cpu_s(before, cpu_snapshot()), _alive_ticks()
   assert done.exists()
   survivors = sum(t - alive0[pid] for pid, t in alive1.items() if pid in alive0 and pid != os.getpid())
-  assert other - survivors / os.sysconf("SC_CLK_TCK") >= 0.7, (other, survivors)
+  assert other - survivors / os.sysconf("SC_CLK_TCK") >= 1.2, (other, survivors)
