@@ -1,7 +1,7 @@
 """One report over several bench-suite runs of the same methods (e.g. 512-8K with RoPE as trained, 16K with YaRN,
 which the suite keeps in separate folders): per-method tau / speedup / draft ms / state bytes vs context plots with
-CI bands, paired differences at every context, SharpDraft's recovered share of a drop, and tau ratios between
-contexts, each with a bootstrap CI over the prompts (paired by prompt index, as the suite pairs them).
+CI bands, paired differences (and ratios) at every context, SharpDraft's recovered share of a drop, and tau ratios
+between contexts, each with a bootstrap CI over the prompts (paired by prompt index, as the suite pairs them).
 
   python scripts/seeds_report.py --results results/bench_suite/smollm2_seeds results/bench_suite/smollm2_seeds_16k \
       --out results/seeds_smollm2 --label "dflash:num_draft=15=DFlash" --label "dels:num_draft=15=DeLS" \
@@ -100,6 +100,13 @@ def report(cells, model, pairs, recoveries, ratios, ref_context) -> tuple[dict, 
             out["pairs"].append({"temperature": t, "context": ctx, "a": a, "b": b, **d})
           row.append(fmt_ci(d["diff"], d["ci"]) + ("*" if d["exceeds_ci"] else "") if d else "-")
         md.append(f"| {a} - {b} | " + " | ".join(row) + " |")
+      md += ["", "The same pairs as ratios of mean tau (A / B), paired bootstrap CI:", "",
+             "| A / B | " + " | ".join(str(c) for c in contexts) + " |", "|---" * (len(contexts) + 1) + "|"]
+      for a, b in pairs:
+        ds = {p["context"]: p for p in out["pairs"] if (p["temperature"], p["a"], p["b"]) == (t, a, b)}
+        row = [f"{d['ratio']:.2f} [{d['ratio_ci'][0]:.2f}, {d['ratio_ci'][1]:.2f}]" if (d := ds.get(ctx)) else "-"
+               for ctx in contexts]
+        md.append(f"| {a} / {b} | " + " | ".join(row) + " |")
     for plain, sharp in recoveries:
       ref, far = cell(cells, plain, contexts[0], t), cell(cells, plain, contexts[-1], t)
       sf = cell(cells, sharp, contexts[-1], t)
