@@ -130,6 +130,29 @@ def test_shared_prefill_matches_generate(env, tmp_path):
   assert len(sampled) == 1 and all(c["exact_match_ar"] is None for c in sampled)
 
 
+def test_step_halves_are_timed_through_executables_compiled_once(env):
+  """step_costs times the draft and verify halves through ahead-of-time compiled executables (no jit dispatch in
+  the timing): one compilation per program and shape, and they compute what the jitted programs compute."""
+  from longspec_jax.drafters import load_drafter
+  from longspec_jax.inference import engine
+  from longspec_jax.inference.benchmark import measure
+  d, docs = env
+  model, tok, _ = load_target(str(d / "target"))
+  prompt = tok.encode(open(docs[0]).read()).ids[:48]
+  config, params, inputs = engine.prepare(model, [prompt], 8, drafter=load_drafter("dflash", model, d / "dflash"),
+                                          num_draft=3)
+  timer = measure.Timer()
+  shared = measure.shared_prefill(timer, config.graphdef, params.target, inputs, config.max_len, [config.drafter])
+  state = measure.start_state(config, params, inputs, shared)
+  for _ in range(2):
+    draft_ms, verify_ms = measure.step_costs(timer, config, params, inputs, state, repeats=2)
+    assert draft_ms > 0 and verify_ms > 0
+  assert len(timer.executables) == 2  # the draft and the verify program, compiled once for both calls
+  draft_key = next(k for k in timer.executables if k[0] == "draft")
+  np.testing.assert_array_equal(timer.executables[draft_key](params, inputs, state),
+                                measure.draft_program(config, params, inputs, state))
+
+
 def test_bootstrap_ci_against_scipy():
   from scipy.stats import bootstrap
   x = np.random.default_rng(3).gamma(2.0, 1.5, size=12)

@@ -108,8 +108,8 @@ def markdown(results: dict, plots: tuple[str, ...] = PLOTS) -> str:
               f"{_bytes(c['drafter_state_bytes'])} | {_bytes(c['peak_rss_bytes'])} | "
               f"{_fmt(c['exact_match_ar_count'])} |")
   md += ["", "draft ms / verify ms: one draft pass and one verify pass (K+1 rows) at the prompt's context, timed "
-         "apart (median over prompts). AR ms/step: AR decode time per token. Peak RSS: the process's peak so far "
-         "(it only grows over a sweep).", "",
+         "apart as compiled executables, without jit dispatch (median over prompts). AR ms/step: AR decode time per "
+         "token. Peak RSS: the process's peak so far (it only grows over a sweep).", "",
          "## Which tau and speedup differences exceed their confidence interval", "",
          "Paired bootstrap over the prompts both methods ran (same prompts, same cut points): the CI of the mean "
          "difference excludes 0. Speedup: each prompt's tokens/s over AR's on that prompt in the same process.", "",
