@@ -286,8 +286,6 @@ def test_suite_runs_a_method_with_draft_length_auto(env, tmp_path):
     assert sum(r["size_share"]) == pytest.approx(1.0, abs=1e-3)
 
 
-
-
 def _alive_ticks() -> dict[int, int]:
   """utime + stime (clock ticks) of every process alive now, by pid."""
   out = {}
