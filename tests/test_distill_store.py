@@ -160,6 +160,14 @@ def test_read_rows_windows_and_a_stable_split(setup):
   assert ids(small, val_small) <= ids(store, val_big)
   with pytest.raises(ValueError, match="leaves no training"):
     ds.split_windows(small, 0, 1.0)
+  # max_train_tokens: the grown store's run trains on the small store's train windows, no more and no fewer.
+  train_small, _ = ds.split_windows(small, 0, 0.3)
+  cap = int(small.window_lengths()[train_small].sum())
+  train_capped, val_capped = ds.split_windows(store, 0, 0.3, max_train_tokens=cap)
+  assert ids(store, train_capped) == ids(small, train_small) and list(val_capped) == list(val_big)
+  assert len(ds.split_windows(store, 0, 0.3)[0]) > len(train_capped)
+  with pytest.raises(ValueError, match="smaller than the store's first train window"):
+    ds.split_windows(store, 0, 0.3, max_train_tokens=1)
 
 
 def test_eagle3_trains_from_the_store_and_stays_lossless(setup, tmp_path):

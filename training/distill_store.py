@@ -364,15 +364,25 @@ class DistillStore:
     return counts
 
 
-def split_windows(store: DistillStore, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def split_windows(store: DistillStore, seed: int, val_fraction: float,
+                  max_train_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
   """(train, val) positions in store.windows. A window's side is a seeded draw on its window number alone, so it
-  stays put as the store grows (a store extended between runs never moves a held-out window into training)."""
+  stays put as the store grows (a store extended between runs never moves a held-out window into training).
+  max_train_tokens > 0 keeps the first train windows (in window order) that fit in that many tokens: a run on a
+  store that has grown since trains on the same distinct tokens (a data-scaling arm)."""
   held = np.asarray([np.random.default_rng([seed, 11, w["window"]]).random() < val_fraction
                      for _, w in store.windows], bool)
   if held.all() or (val_fraction > 0 and not held.any()):
     raise ValueError(f"val_fraction {val_fraction} leaves no {'training' if held.all() else 'held-out'} windows "
                      f"among the store's {len(held)}")
-  return np.flatnonzero(~held), np.flatnonzero(held)
+  train = np.flatnonzero(~held)
+  if max_train_tokens > 0:
+    fits = np.cumsum(store.window_lengths()[train]) <= max_train_tokens
+    if not fits[0]:
+      raise ValueError(f"max_train_tokens {max_train_tokens} is smaller than the store's first train window "
+                       f"({store.window_lengths()[train[0]]} tokens)")
+    train = train[fits]
+  return train, np.flatnonzero(held)
 
 
 class StoreWindows:

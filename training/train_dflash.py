@@ -75,6 +75,9 @@ class DFlashTrainConfig(RunConfig):
   # anchors anywhere in them, and the labels are the target's top-k next-token distribution at each slot (`distill`).
   store_dir: str = ""
   distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); training.losses
+  # With a store: train on its first N tokens of train windows only (0 = all of them), so a resumed run on a
+  # store that has grown since keeps its distinct data (a data-scaling arm).
+  max_train_tokens: int = 0
   # With a store: the LM head over the N tokens most often the target's argmax on the store's train windows, in
   # training and, by default, when the exported drafter drafts (as in train_longspark). 0 = all.
   draft_vocab_size: int = 0
@@ -92,8 +95,11 @@ class DFlashTrainConfig(RunConfig):
       raise ValueError("data_dirs is empty (or give store_dir)")
     if not 0.0 <= self.anywhere_fraction <= 1.0:
       raise ValueError(f"anywhere_fraction must be in [0, 1], got {self.anywhere_fraction}")
-    if (self.distill or self.draft_vocab_size) and not self.store_dir:
-      raise ValueError("distill and draft_vocab_size need store_dir (soft labels come from a distillation store)")
+    if (self.distill or self.draft_vocab_size or self.max_train_tokens) and not self.store_dir:
+      raise ValueError("distill, draft_vocab_size and max_train_tokens need store_dir (soft labels come from a "
+                       "distillation store)")
+    if self.max_train_tokens < 0:
+      raise ValueError(f"max_train_tokens must be >= 0, got {self.max_train_tokens}")
     if self.distill not in ("",) + DISTILL_KINDS:
       raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
 
@@ -419,8 +425,9 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
     batches = [rows.batch(10**12 + i, cfg.batch_size) for i in range(8)]
     return tap_scale([{**b, "real": np.arange(cfg.context_len) < b["valid"][:, None]} for b in batches])
 
-  train_w, val_w, scale = kept_store_split(cfg.out_dir, store, split_windows(store, cfg.seed, cfg.val_fraction),
-                                           resume, scale_fn if cfg.normalize_taps else None)
+  split = split_windows(store, cfg.seed, cfg.val_fraction, cfg.max_train_tokens)
+  train_w, val_w, scale = kept_store_split(cfg.out_dir, store, split, resume,
+                                           scale_fn if cfg.normalize_taps else None)
   train_sampler = sampler(train_w, cfg.seed)
   val_sampler = sampler(val_w, cfg.seed + 1, gamma=1e9)  # held out: every slot counts alike
   vocab_order = np.argsort(-store.argmax_counts(train_w, target.cfg.vocab_size), kind="stable")

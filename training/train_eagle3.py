@@ -29,8 +29,8 @@ from longspec_jax.rope import rope_frequencies
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
 from longspec_jax.training.drafter_common import (data_target, draft_vocab_from_counts, draw_windows, last_logged,
-                                                  pad_token, split_rows, store_evaluator, store_record, store_target,
-                                                  train_to_export, write_drafter_json)
+                                                  kept_store_split, pad_token, split_rows, store_evaluator,
+                                                  store_record, store_target, train_to_export, write_drafter_json)
 from longspec_jax.training.losses import DISTILL_KINDS, topk_distillation
 from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
@@ -53,6 +53,9 @@ class Eagle3TrainConfig(RunConfig):
   # next-token distribution at every position (soft labels), the taps come from the store.
   store_dir: str = ""
   distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); see training.losses
+  # With a store: train on its first N tokens of train windows only (0 = all of them), so a resumed run on a
+  # store that has grown since keeps its distinct data (a data-scaling arm).
+  max_train_tokens: int = 0
   context_len: int = 512  # W: tokens per training window (n0, the context the drafter is trained at)
   ttt_steps: int = 4  # unrolled drafting steps per window
   step_decay: float = 0.8  # weight of step j = step_decay ** j
@@ -75,6 +78,8 @@ class Eagle3TrainConfig(RunConfig):
       raise ValueError("data_dirs is empty")
     if self.distill and not self.store_dir:
       raise ValueError(f"distill={self.distill!r} needs store_dir (soft labels come from a distillation store)")
+    if self.max_train_tokens < 0 or (self.max_train_tokens and not self.store_dir):
+      raise ValueError(f"max_train_tokens must be >= 0 and needs store_dir, got {self.max_train_tokens}")
     if self.distill not in ("",) + DISTILL_KINDS:
       raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
 
@@ -393,7 +398,9 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
   tcfg = target.cfg
   pad_id = pad_token(tcfg)
   aux = tuple(cfg.aux_layers) or default_aux_layers(tcfg.num_hidden_layers)
-  train_w, val_w = split_windows(store, cfg.seed, cfg.val_fraction)
+  # the held-out windows fixed at the first start: the curve's anchors stay put while the store grows
+  train_w, val_w, _ = kept_store_split(cfg.out_dir, store,
+                                       split_windows(store, cfg.seed, cfg.val_fraction, cfg.max_train_tokens), resume)
   sampler = StoreWindows(store, train_w, cfg.context_len, aux, pad_id, cfg.seed)
   val_sampler = StoreWindows(store, val_w, cfg.context_len, aux, pad_id, cfg.seed + 1)
   draft_ids = draft_vocab_from_counts(store.argmax_counts(train_w, tcfg.vocab_size), cfg.draft_vocab_size)

@@ -80,6 +80,9 @@ class LongSparkTrainConfig(RunConfig):
   # cut anywhere, and the labels are the target's top-k next-token distribution at each slot (`distill`).
   store_dir: str = ""
   distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); training.losses
+  # With a store: train on its first N tokens of train windows only (0 = all of them), so a resumed run on a
+  # store that has grown since keeps its distinct data (a data-scaling arm).
+  max_train_tokens: int = 0
   # With a store: the LM head over the N tokens most often the target's argmax on the store's train windows, in
   # training (the 49,152-wide head dominated a step) and, by default, when the exported drafter drafts. 0 = all.
   draft_vocab_size: int = 0
@@ -99,8 +102,11 @@ class LongSparkTrainConfig(RunConfig):
                        f"{self.markov_rank}, {self.val_windows}")
     if not self.data_dirs and not self.store_dir:
       raise ValueError("data_dirs is empty (or give store_dir)")
-    if (self.distill or self.draft_vocab_size) and not self.store_dir:
-      raise ValueError("distill and draft_vocab_size need store_dir (soft labels come from a distillation store)")
+    if (self.distill or self.draft_vocab_size or self.max_train_tokens) and not self.store_dir:
+      raise ValueError("distill, draft_vocab_size and max_train_tokens need store_dir (soft labels come from a "
+                       "distillation store)")
+    if self.max_train_tokens < 0:
+      raise ValueError(f"max_train_tokens must be >= 0, got {self.max_train_tokens}")
     if self.distill not in ("",) + DISTILL_KINDS:
       raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
     if self.draft_vocab_size and self.markov_rank:
@@ -485,7 +491,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   dcfg = drafter_config(cfg, target.cfg)
   rows = StoreLongSparkRows(store, dcfg.target_layer_ids)
   train_w, val_w, scale = kept_store_split(
-      cfg.out_dir, store, split_windows(store, cfg.seed, cfg.val_fraction), resume,
+      cfg.out_dir, store, split_windows(store, cfg.seed, cfg.val_fraction, cfg.max_train_tokens), resume,
       lambda w: boundary_scale([AnchorSampler(rows, w, cfg, cfg.seed, tail=cfg.tail_rows)], cfg.batch_size)
       if cfg.normalize_boundary else None)
   sampler = AnchorSampler(rows, train_w, cfg, cfg.seed, tail=cfg.tail_rows)
