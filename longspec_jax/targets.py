@@ -110,7 +110,7 @@ def with_rope_scaling(cfg: ModelConfig, spec: str | None) -> ModelConfig:
 
 # name -> (activations and KV cache, stored weights)
 TARGET_DTYPES = {"float32": ("float32", "float32"), "bfloat16": ("bfloat16", "bfloat16"),
-                 "bf16-weights": ("float32", "bfloat16")}
+                 "bf16-weights": ("float32", "bfloat16"), "int8-weights": ("float32", "float32")}
 
 
 def load_target(name_or_dir: str | os.PathLike | None = None, *, rope_scaling: str | None = None,
@@ -122,15 +122,19 @@ def load_target(name_or_dir: str | os.PathLike | None = None, *, rope_scaling: s
   or "bf16-weights" (weights stored in bf16, activations and KV cache fp32). On this project's CPUs a one-row
   bf16 product runs ~6x slower in XLA:CPU than fp32, so "bfloat16" decodes slowly; "bf16-weights" reads half the
   weight bytes of fp32 and a verify pass of 8-16 rows costs ~1.3x a decode step instead of ~2x (the model pads
-  its one-row products to two)."""
+  its one-row products to two). "int8-weights": the decoder layers' projections and a copy of the LM head stored
+  in int8 with a scale per output channel and run as integer products (`model.int8_matmul`: exact sums,
+  activations in three int8 parts), the rest fp32; on CPUs with int8 matrix units (AMX, VNNI) the products run
+  several times faster than fp32."""
   import jax.numpy as jnp
   from longspec_jax.hf_io import load_model_dir
   if dtype not in TARGET_DTYPES:
     raise ValueError(f"target dtype must be one of {tuple(TARGET_DTYPES)}, got {dtype!r}")
   path = resolve_target_dir(name_or_dir, show_progress=show_progress)
   compute, weights = TARGET_DTYPES[dtype]
-  return load_model_dir(path, config_fn=lambda c: with_rope_scaling(c, rope_scaling), dtype=jnp.dtype(compute),
-                        param_dtype=jnp.dtype(weights))
+  model = load_model_dir(path, config_fn=lambda c: with_rope_scaling(c, rope_scaling), dtype=jnp.dtype(compute),
+                         param_dtype=jnp.dtype(weights))
+  return model.quantize_int8() if dtype == "int8-weights" else model
 
 
 def load_tokenizer(name_or_dir: str | os.PathLike | None = None, *, show_progress: bool = True):

@@ -2,7 +2,6 @@
 shard index adds up, a killed build resumes to the same bytes, fp8 round trip, on-policy windows."""
 
 import json
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from longspec_jax.attention import causal_attention, extend_attention
-from longspec_jax.model import matmul
+from longspec_jax.model import int8_matmul, matmul
 
 
 def naive_causal(q, k, v):
@@ -147,3 +147,44 @@ def test_bf16_weight_model_decodes_like_its_own_forward(tiny_model):
   step = m(tok[:, 20:], cache=pre.cache.replace(lengths=jnp.asarray([20])), mode="extend")
   np.testing.assert_allclose(step.logits[:, 0], full[:, 20], atol=1e-4)
   assert not np.allclose(full, tiny_model(tok, mode="train").logits, atol=1e-4)  # the weights really are bf16
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_int8_matmul_is_the_product_with_the_stored_weights_for_any_row_count(rows):
+  """int8 weights (scale per output channel), x in three int8 parts: the product of the fp32 x with the dequantized
+  weights to ~1e-6 of its scale, not that of x rounded to one int8 part; and a row's result does not depend on
+  which other rows share the product (the integer products are exact)."""
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.standard_normal((rows, 48)), jnp.float32)
+  w = rng.standard_normal((48, 40)).astype(np.float32)
+  scale = np.abs(w).max(0) / 127
+  wq = np.round(w / scale).astype(np.int8)
+  want = np.asarray(x, np.float64) @ (wq.astype(np.float64) * scale)
+  s = np.abs(np.asarray(x)).max(-1, keepdims=True) / 127
+  one_part = (np.round(np.asarray(x) / s) * s) @ (wq.astype(np.float64) * scale)
+  got = np.asarray(int8_matmul(x, jnp.asarray(wq), jnp.asarray(scale), "...i,io->...o"))
+  assert got.shape == (rows, 40)
+  err = np.abs(got - want).max()
+  assert err < 1e-6 * np.abs(want).max() and np.abs(one_part - want).max() > 1e-3 * np.abs(want).max()
+  alone = np.asarray(int8_matmul(x[:1], jnp.asarray(wq), jnp.asarray(scale), "...i,io->...o"))
+  np.testing.assert_array_equal(alone[0], got[0])
+
+
+def test_int8_weight_model_decodes_like_its_own_forward(tiny_model):
+  """Transformer.quantize_int8: the decoder projections become int8 kernels with a scale per output channel
+  (logical axes kept), the embedding stays fp32, and a one-row decode step gives the logits of the same model's
+  full forward; the logits stay near the fp32 model's."""
+  graphdef, state = nnx.split(tiny_model)
+  m = nnx.merge(graphdef, state).quantize_int8()
+  q = m.layers[0].self_attn.q_proj
+  assert q.kernel[...].dtype == jnp.int8 and q.kernel_scale[...].shape == (q.kernel[...].shape[1],)
+  assert m.embed_tokens.embedding[...].dtype == jnp.float32
+  variables = jax.tree.leaves(nnx.state(m), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  assert all(v.get_metadata().get("logical_axes") for v in variables)
+  tok = jnp.asarray(np.random.default_rng(9).integers(0, 128, (1, 21)))
+  full = m(tok, mode="train").logits
+  pre = m(tok[:, :20], cache=m.init_cache(1, 32), mode="prefill")
+  step = m(tok[:, 20:], cache=pre.cache.replace(lengths=jnp.asarray([20])), mode="extend")
+  np.testing.assert_allclose(step.logits[:, 0], full[:, 20], atol=1e-4)
+  ref = tiny_model(tok, mode="train").logits
+  assert 0 < np.abs(np.asarray(full - ref)).max() < 0.05 * np.abs(np.asarray(ref)).max()

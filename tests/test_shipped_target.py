@@ -29,28 +29,44 @@ def test_readme_generate_command(capsys):
   assert out.strip()
 
 
-def test_bf16_target_spec_equals_ar():
-  """dtype="bfloat16": weights, activations and KV cache in bf16, and greedy speculative output (prompt lookup,
-  K = 1 and 6) equals greedy AR under that dtype, token for token, on real text."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
+def _lookup_equals_ar(model, doc: int) -> None:
+  """Greedy prompt lookup (K = 1 and 6) equals greedy AR of `model`, token for token, on two prompts of real text."""
   from longspec_jax.inference.generate import generate
   from longspec_jax.drafters.base import LoadedDrafter
   from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
-  from longspec_jax.targets import load_target
 
-  model = load_target(None, dtype="bfloat16")
-  assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
-  assert model.init_cache(1, 8).k[0].dtype == jnp.bfloat16
-  tok = load_tokenizer(default_target_dir())
-  ids = tok.encode(long_doc_paths()[1].read_text()).ids
+  ids = load_tokenizer(default_target_dir()).encode(long_doc_paths()[doc].read_text()).ids
   prompts = [[model.cfg.bos_token_id] + ids[:300], [model.cfg.bos_token_id] + ids[1000:1120]]
   ar = generate(model, prompts, max_new_tokens=40, eos_id=-1)
   drafter = LoadedDrafter(PromptLookupDrafter(model.cfg.vocab_size))
   for k in (1, 6):
     sp = generate(model, prompts, max_new_tokens=40, eos_id=-1, drafter=drafter, num_draft=k)
     assert sp.tokens == ar.tokens, f"K={k}"
+
+
+def test_int8_target_spec_equals_ar():
+  """dtype="int8-weights": the decoder projections in int8, and greedy speculative output equals greedy AR under
+  that dtype, token for token, on real text."""
+  import jax.numpy as jnp
+  from longspec_jax.targets import load_target
+
+  model = load_target(None, dtype="int8-weights")
+  assert model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.int8
+  _lookup_equals_ar(model, doc=2)
+
+
+def test_bf16_target_spec_equals_ar():
+  """dtype="bfloat16": weights, activations and KV cache in bf16, and greedy speculative output equals greedy AR
+  under that dtype, token for token, on real text."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from longspec_jax.targets import load_target
+
+  model = load_target(None, dtype="bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+  assert model.init_cache(1, 8).k[0].dtype == jnp.bfloat16
+  _lookup_equals_ar(model, doc=1)
   with pytest.raises(ValueError, match="target dtype"):
     load_target(None, dtype="float16")

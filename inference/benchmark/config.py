@@ -17,7 +17,7 @@ PROTOCOL = (8, 4)  # the measurement protocol asks for >= 8 prompts from >= 4 do
 class SuiteConfig:
   model: str = ""  # the target: a name (smollm2-135m), a model directory, or "" = the shipped default target
   rope_scaling: str = ""  # e.g. "yarn:2" to run the target past its trained context ("" = none)
-  dtype: str = "float32"  # the target's dtype: float32 | bfloat16 | bf16-weights (longspec_jax.targets.TARGET_DTYPES)
+  dtype: str = "float32"  # the target's dtype: float32 | bfloat16 | bf16-weights | int8-weights (targets.TARGET_DTYPES)
   methods: tuple[str, ...] = ("prompt-lookup",)  # NAME or NAME:key=value,key=value (see parse_method)
   contexts: tuple[int, ...] = (1024,)  # prompt lengths in tokens, BOS included
   temperatures: tuple[float, ...] = (0.0,)
