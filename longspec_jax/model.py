@@ -87,6 +87,15 @@ def int8_matmul(x, w_int8, w_scale, spec: str, out_dtype=None):
   return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype or x.dtype)
 
 
+def quantize_per_channel(w, axis: int):
+  """(int8 values, fp32 scales): w ~ values * scales, symmetric, one scale (max |w| / 127) per index along `axis`
+  (the output channel)."""
+  w = w.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(w), axis=1 - axis) / 127.0
+  scale = jnp.where(scale > 0, scale, 1.0)
+  return jnp.round(w / jnp.expand_dims(scale, 1 - axis)).astype(jnp.int8), scale
+
+
 class Linear(nnx.Module):
   def __init__(self, din, dout, axes, *, bias=False, rngs, std=0.02):
     self.kernel = _param(rngs, (din, dout), axes, nnx.initializers.normal(std))
@@ -95,11 +104,9 @@ class Linear(nnx.Module):
 
   def quantize_int8(self) -> None:
     """Stores the kernel as int8 with a symmetric fp32 scale per output channel (max |w| / 127)."""
-    w = self.kernel[...].astype(jnp.float32)
     axes = getattr(self.kernel, "logical_axes", (None, None))
-    scale = jnp.max(jnp.abs(w), axis=0) / 127.0
-    scale = jnp.where(scale > 0, scale, 1.0)
-    self.kernel = nnx.Param(jnp.round(w / scale).astype(jnp.int8), logical_axes=axes)
+    values, scale = quantize_per_channel(self.kernel[...], axis=1)
+    self.kernel = nnx.Param(values, logical_axes=axes)
     self.kernel_scale = nnx.Param(scale, logical_axes=(axes[1],))
 
   def __call__(self, x):
@@ -230,10 +237,8 @@ class Transformer(nnx.Module):
                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
         lin.quantize_int8()
     head = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...].T
-    head = head.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(head), axis=1) / 127.0
-    scale = jnp.where(scale > 0, scale, 1.0)
-    self.head_int8 = nnx.Param(jnp.round(head / scale[:, None]).astype(jnp.int8), logical_axes=("vocab", "embed"))
+    values, scale = quantize_per_channel(head, axis=0)
+    self.head_int8 = nnx.Param(values, logical_axes=("vocab", "embed"))
     self.head_scale = nnx.Param(scale, logical_axes=("vocab",))
     return self
 
