@@ -5,7 +5,9 @@ context row, batch x context_len per step) or a block anchor predicting B_s slot
 
   python scripts/plot_scaling_curve.py --run eagle3=runs/drafter_eagle3_smollm2_store --out results/scaling/smollm2
 
-writes OUT.json (the points) and OUT.png (needs matplotlib)."""
+writes OUT.json (the points) and OUT.png (needs matplotlib). A run may also be a curve this script wrote before,
+`LABEL=FILE.json#RUN` (RUN: its label there), so a committed curve whose run directory is gone can be drawn beside
+new runs."""
 
 import argparse
 import json
@@ -30,8 +32,14 @@ def main() -> None:
   runs = {}
   for item in a.run:
     label, _, path = item.partition("=")
+    if "#" in path:
+      file, _, name = path.partition("#")
+      runs[label] = json.loads(Path(file).read_text())[name]
+      continue
     cfg = json.loads((Path(path) / "train_config.json").read_text())
     runs[label] = {"run_dir": path, "store_dir": cfg.get("store_dir"), "distill": cfg.get("distill"),
+                   "max_train_tokens": cfg.get("max_train_tokens", 0),
+                   "held_out_within_tokens": cfg.get("held_out_within_tokens", 0),
                    "batch_tokens": cfg["batch_size"] * (cfg.get("context_len") or cfg["anchors_per_window"]),
                    "unit": "positions" if cfg.get("context_len") else "anchors", "points": curve(Path(path))}
   out = Path(a.out)
@@ -47,7 +55,8 @@ def main() -> None:
   fig, ax = plt.subplots(figsize=(6, 4))
   for label, r in runs.items():
     xs = [pt["tokens"] / 1e6 for pt in r["points"]]
-    ax.plot(xs, [pt["tau_sim"] for pt in r["points"]], marker="o", ms=3, label=f"{label} ({r['unit']})")
+    unit = r.get("unit", "positions")
+    ax.plot(xs, [pt["tau_sim"] for pt in r["points"]], marker="o", ms=3, label=f"{label} ({unit})")
   ax.set_xlabel("training positions seen (millions)")
   ax.set_ylabel("held-out tau_sim = 1 + sum_k prod_{i<=k} acc_i")
   ax.set_title("Data scaling of store-trained drafters (SmolLM2-135M)")

@@ -12,7 +12,8 @@ and the floors: bytes that must be read (weights + the K/V of S positions) / mea
 (2 x params x T + attention 4 x T x Hq x S x D x L) / measured peak matmul throughput. A pass cannot beat the larger
 of the two; on a CPU the two costs mostly add up (the same cores load and multiply).
 
-  python scripts/profile_verify.py --model smollm2-135m --contexts 1024,4096,8192 --rows 1,9,16 --out results/verify_profile/smollm2.json
+  python scripts/profile_verify.py --model smollm2-135m --contexts 1024,4096,8192 --rows 1,9,16 \\
+      --out results/verify_profile/smollm2.json
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def machine_floors(repeats: int) -> dict:
   read = jax.jit(lambda a: a.sum())
   mm = jax.jit(lambda x, w: x @ w)
   ms = interleaved_medians({"read": lambda: read(big), "mm": lambda: mm(x, w)}, repeats)
-  return {"read_gb_per_s": big.nbytes / ms["read"] / 1e6, "matmul_gflop_per_s": 2 * x.size * w.shape[1] / ms["mm"] / 1e6}
+  return {"read_gb_per_s": big.nbytes / ms["read"] / 1e6,
+          "matmul_gflop_per_s": 2 * x.size * w.shape[1] / ms["mm"] / 1e6}
 
 
 def filled_cache(model, s: int, t: int):

@@ -21,16 +21,18 @@ from longspec_jax.training.distill_store import DistillStore
 def evaluate(kind: str, path: str, target, a) -> dict:
   if kind == "dflash":
     from longspec_jax.training.train_dflash import evaluate_dflash_on_store
-    return evaluate_dflash_on_store(path, target, a.store, draws=a.draws, val_fraction=a.val_fraction, seed=a.seed)
+    return evaluate_dflash_on_store(path, target, a.store, draws=a.draws, val_fraction=a.val_fraction, seed=a.seed,
+                                    held_out_within_tokens=a.held_out_within_tokens)
   if kind == "longspark":
     from longspec_jax.training.train_longspark import evaluate_longspark_on_store
     return evaluate_longspark_on_store(path, target, a.store, draws=a.draws, val_fraction=a.val_fraction,
-                                       seed=a.seed)
+                                       seed=a.seed, held_out_within_tokens=a.held_out_within_tokens)
   if kind == "eagle3":
     from longspec_jax.drafters.eagle3 import load_eagle3
     from longspec_jax.training.train_eagle3 import evaluate_on_store
     return evaluate_on_store(load_eagle3(path, target), target, a.store, val_windows=a.draws,
-                             val_fraction=a.val_fraction, seed=a.seed)
+                             val_fraction=a.val_fraction, seed=a.seed,
+                             held_out_within_tokens=a.held_out_within_tokens)
   raise SystemExit(f"{path}: no store evaluation for drafter kind {kind!r} (dflash, longspark, eagle3)")
 
 
@@ -42,6 +44,9 @@ def main() -> None:
   p.add_argument("--draws", type=int, default=32, help="held-out windows drawn")
   p.add_argument("--val-fraction", type=float, default=0.03)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--held-out-within-tokens", type=int, default=0,
+                 help="score only the held-out windows within the store's first N tokens (0 = all): the same "
+                      "windows as runs started when the store was that size")
   p.add_argument("--out", help="write the results as JSON here")
   a = p.parse_args()
   store = DistillStore(a.store)
@@ -54,7 +59,7 @@ def main() -> None:
     drafters[f"{label}-v{size}"] = str(shrink_draft_vocab(drafters[label], target, a.store, int(size), out,
                                                           val_fraction=a.val_fraction, seed=a.seed))
   out = {"store": store.dir.name, "stored_tokens": store.index["stored_tokens"], "draws": a.draws,
-         "val_fraction": a.val_fraction, "drafters": {}}
+         "val_fraction": a.val_fraction, "held_out_within_tokens": a.held_out_within_tokens, "drafters": {}}
   for label, path in drafters.items():
     kind = json.loads((Path(path) / "drafter.json").read_text())["kind"]
     res = evaluate(kind, path, target, a)

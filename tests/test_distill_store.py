@@ -167,6 +167,16 @@ def test_read_rows_windows_and_a_stable_split(setup):
   assert len(ds.split_windows(store, 0, 0.3)[0]) > len(train_capped)
   with pytest.raises(ValueError, match="smaller than the store's first train window"):
     ds.split_windows(store, 0, 0.3, max_train_tokens=1)
+  # held_out_within_tokens: the grown store scores the small store's held-out windows, and only those.
+  _, val_pinned = ds.split_windows(store, 0, 0.3, held_out_within_tokens=small.index["stored_tokens"])
+  assert ids(store, val_pinned) == ids(small, val_small) and len(val_pinned) < len(val_big)
+  with pytest.raises(ValueError, match="no held-out window ends within"):
+    ds.split_windows(store, 0, 0.3, held_out_within_tokens=1)
+  from longspec_jax.training.train_eagle3 import Eagle3TrainConfig
+  with pytest.raises(ValueError, match="held_out_within_tokens needs store_dir"):
+    Eagle3TrainConfig(held_out_within_tokens=1000)
+  with pytest.raises(ValueError, match="max_train_tokens must be >= 0"):
+    Eagle3TrainConfig(store_dir="s", max_train_tokens=-1)
 
 
 def test_eagle3_trains_from_the_store_and_stays_lossless(setup, tmp_path):
@@ -299,7 +309,7 @@ def test_longspark_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   _check_export(setup, store, final, log, load_longspark, lambda target: evaluate_longspark_on_store(
       final, target, store_dir, draws=2, val_fraction=0.3, tail_rows=16, anchors_per_window=4,
       anywhere_fraction=0.8), num_slots=3)
-  with pytest.raises(ValueError, match="need store_dir"):
+  with pytest.raises(ValueError, match="needs? store_dir"):
     from_dict(LongSparkTrainConfig, dict(draft_vocab_size=64))
   with pytest.raises(ValueError, match="markov_rank 0"):
     from_dict(LongSparkTrainConfig, dict(store_dir="s", draft_vocab_size=64, markov_rank=8))
@@ -354,7 +364,7 @@ def test_dflash_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   _check_export(setup, store, final, log, load_dflash, lambda target: evaluate_dflash_on_store(
       final, target, store_dir, draws=2, val_fraction=0.3, context_len=48, anchors_per_window=5, batch_size=2),
       num_slots=3)
-  for bad, match in ((dict(draft_vocab_size=64), "need store_dir"), (dict(store_dir="s", distill="ce"), "distill")):
+  for bad, match in ((dict(draft_vocab_size=64), "needs? store_dir"), (dict(store_dir="s", distill="ce"), "distill")):
     with pytest.raises(ValueError, match=match):
       from_dict(DFlashTrainConfig, bad)
 
@@ -451,5 +461,5 @@ def test_dels_trains_from_the_store_over_store_dflash_and_longspark(setup, tmp_p
   combined = load_dels(over_ls, target)
   assert combined.spec.name == "longspark-dels" and combined.spec.needs_target_kv
   assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=combined, num_draft=3).tokens == ar
-  with pytest.raises(ValueError, match="need store_dir"):
+  with pytest.raises(ValueError, match="needs? store_dir"):
     from_dict(DeLSTrainConfig, dict(distill="kl"))

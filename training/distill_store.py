@@ -364,25 +364,34 @@ class DistillStore:
     return counts
 
 
-def split_windows(store: DistillStore, seed: int, val_fraction: float,
-                  max_train_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def split_windows(store: DistillStore, seed: int, val_fraction: float, max_train_tokens: int = 0,
+                  held_out_within_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
   """(train, val) positions in store.windows. A window's side is a seeded draw on its window number alone, so it
   stays put as the store grows (a store extended between runs never moves a held-out window into training).
   max_train_tokens > 0 keeps the first train windows (in window order) that fit in that many tokens: a run on a
-  store that has grown since trains on the same distinct tokens (a data-scaling arm)."""
+  store that has grown since trains on the same distinct tokens (a data-scaling arm). held_out_within_tokens > 0
+  keeps the held-out windows that end within the store's first that many tokens: arms started as the store grows
+  are scored on the same windows (the others stay unused, on neither side)."""
   held = np.asarray([np.random.default_rng([seed, 11, w["window"]]).random() < val_fraction
                      for _, w in store.windows], bool)
   if held.all() or (val_fraction > 0 and not held.any()):
     raise ValueError(f"val_fraction {val_fraction} leaves no {'training' if held.all() else 'held-out'} windows "
                      f"among the store's {len(held)}")
+  lengths = store.window_lengths()
   train = np.flatnonzero(~held)
   if max_train_tokens > 0:
-    fits = np.cumsum(store.window_lengths()[train]) <= max_train_tokens
+    fits = np.cumsum(lengths[train]) <= max_train_tokens
     if not fits[0]:
       raise ValueError(f"max_train_tokens {max_train_tokens} is smaller than the store's first train window "
-                       f"({store.window_lengths()[train[0]]} tokens)")
+                       f"({lengths[train[0]]} tokens)")
     train = train[fits]
-  return train, np.flatnonzero(held)
+  val = np.flatnonzero(held)
+  if held_out_within_tokens > 0:
+    val = val[np.cumsum(lengths)[val] <= held_out_within_tokens]
+    if len(val) == 0:
+      raise ValueError(f"no held-out window ends within the store's first {held_out_within_tokens} tokens "
+                       f"(held_out_within_tokens)")
+  return train, val
 
 
 class StoreWindows:

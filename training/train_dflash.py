@@ -27,18 +27,18 @@ from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
-from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
+from longspec_jax.training.losses import cross_entropy
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, check_token_ids, copy_target_layers,
                                                   draw_windows, fold_input_scale, inverse_median_scale,
                                                   kept_store_split, last_logged, load_data_dirs, make_tap_fn,
                                                   pad_token, split_indices, store_evaluator, store_head, store_record,
                                                   store_target, train_to_export, trained_head, write_draft_vocab,
                                                   write_drafter_json)
-from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
+from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashTrainConfig(RunConfig):
+class DFlashTrainConfig(StoreRunConfig):
   data_dirs: tuple[str, ...] = ("runs/drafter_data",)
   target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
   out_dir: str = "runs/drafter_dflash"
@@ -70,14 +70,9 @@ class DFlashTrainConfig(RunConfig):
   val_fraction: float = 0.05
   val_windows: int = 64
   compute_dtype: str = "bfloat16"
-  # A distillation store (`longspec make-distill-store` with the drafter's taps in --taps) replaces data_dirs:
+  # With store_dir (StoreRunConfig; the drafter's taps in the store's --taps) it trains, instead of data_dirs, on
   # windows of context_len rows cut from the store's windows (corpus text and the target's own continuations),
   # anchors anywhere in them, and the labels are the target's top-k next-token distribution at each slot (`distill`).
-  store_dir: str = ""
-  distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); training.losses
-  # With a store: train on its first N tokens of train windows only (0 = all of them), so a resumed run on a
-  # store that has grown since keeps its distinct data (a data-scaling arm).
-  max_train_tokens: int = 0
   # With a store: the LM head over the N tokens most often the target's argmax on the store's train windows, in
   # training and, by default, when the exported drafter drafts (as in train_longspark). 0 = all.
   draft_vocab_size: int = 0
@@ -95,13 +90,7 @@ class DFlashTrainConfig(RunConfig):
       raise ValueError("data_dirs is empty (or give store_dir)")
     if not 0.0 <= self.anywhere_fraction <= 1.0:
       raise ValueError(f"anywhere_fraction must be in [0, 1], got {self.anywhere_fraction}")
-    if (self.distill or self.draft_vocab_size or self.max_train_tokens) and not self.store_dir:
-      raise ValueError("distill, draft_vocab_size and max_train_tokens need store_dir (soft labels come from a "
-                       "distillation store)")
-    if self.max_train_tokens < 0:
-      raise ValueError(f"max_train_tokens must be >= 0, got {self.max_train_tokens}")
-    if self.distill not in ("",) + DISTILL_KINDS:
-      raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
+    self.check_store_fields("draft_vocab_size")
 
 
 class BlockSampler:
@@ -404,7 +393,7 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
   store, the loss `cfg.distill` against the target's soft labels at every slot, the LM head over the draft
   vocabulary; held-out per-slot top-1 agreement and tau_sim every eval_every steps."""
   from longspec_jax.hf_io import load_model_dir
-  from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
+  from longspec_jax.training.distill_store import DistillStore, StoreWindows
 
   kind = cfg.distill or "kl"
   store = DistillStore(cfg.store_dir)
@@ -425,7 +414,7 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
     batches = [rows.batch(10**12 + i, cfg.batch_size) for i in range(8)]
     return tap_scale([{**b, "real": np.arange(cfg.context_len) < b["valid"][:, None]} for b in batches])
 
-  split = split_windows(store, cfg.seed, cfg.val_fraction, cfg.max_train_tokens)
+  split = cfg.store_split(store)
   train_w, val_w, scale = kept_store_split(cfg.out_dir, store, split, resume,
                                            scale_fn if cfg.normalize_taps else None)
   train_sampler = sampler(train_w, cfg.seed)
@@ -502,16 +491,16 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
 
 def evaluate_dflash_on_store(drafter_dir, target, store_dir, *, draws: int = 32, val_fraction: float = 0.03,
                              seed: int = 0, context_len: int = 512, anchors_per_window: int = 24,
-                             batch_size: int = 8) -> dict:
+                             batch_size: int = 8, held_out_within_tokens: int = 0) -> dict:
   """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an exported DFlash drafter on the store's held-out
-  windows (the split and draws train_dflash_from_store makes with the same seed, val_fraction, window and batch
-  size), `draws` windows, over the draft vocabulary it drafts with (drafter.json): drafters trained any way are
-  compared on the same blocks."""
+  windows (the split and draws train_dflash_from_store makes with the same seed, val_fraction,
+  held_out_within_tokens, window and batch size), `draws` windows, over the draft vocabulary it drafts with
+  (drafter.json): drafters trained any way are compared on the same blocks."""
   from longspec_jax.drafters.dflash import load_dflash_model
   from longspec_jax.training.distill_store import DistillStore, split_windows
   store = DistillStore(store_dir)
   model = load_dflash_model(drafter_dir)
-  _, val_w = split_windows(store, seed, val_fraction)
+  _, val_w = split_windows(store, seed, val_fraction, held_out_within_tokens=held_out_within_tokens)
   sampler = dflash_store_sampler(store, val_w, model.cfg.taps, model.cfg.block_size, seed + 1, context_len,
                                  anchors_per_window, pad_token(target.cfg))
   extra = trained_head(target_io(target), drafter_dir)

@@ -31,12 +31,12 @@ from longspec_jax.training.feature_cache import open_row_taps, with_taps
 from longspec_jax.training.drafter_common import (data_target, draft_vocab_from_counts, draw_windows, last_logged,
                                                   kept_store_split, pad_token, split_rows, store_evaluator,
                                                   store_record, store_target, train_to_export, write_drafter_json)
-from longspec_jax.training.losses import DISTILL_KINDS, topk_distillation
-from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
+from longspec_jax.training.losses import topk_distillation
+from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3TrainConfig(RunConfig):
+class Eagle3TrainConfig(StoreRunConfig):
   # make-drafter-data outputs; incomplete ones (no manifest.json + dataset/) are skipped, at least one must exist
   data_dirs: tuple[str, ...] = ("runs/drafter_data",)
   target_dir: str = ""  # "" = the target recorded in the data's manifest
@@ -49,13 +49,7 @@ class Eagle3TrainConfig(RunConfig):
   # Frozen-target taps: "auto" = each data dir's feature cache when present, "recompute" = run the target every
   # step, "require" = the cache or an error.
   features: str = "auto"
-  # A distillation store (`longspec make-distill-store`): replaces data_dirs; the labels are then the target's own
-  # next-token distribution at every position (soft labels), the taps come from the store.
-  store_dir: str = ""
-  distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); see training.losses
-  # With a store: train on its first N tokens of train windows only (0 = all of them), so a resumed run on a
-  # store that has grown since keeps its distinct data (a data-scaling arm).
-  max_train_tokens: int = 0
+  # With store_dir (StoreRunConfig) the taps come from the distillation store.
   context_len: int = 512  # W: tokens per training window (n0, the context the drafter is trained at)
   ttt_steps: int = 4  # unrolled drafting steps per window
   step_decay: float = 0.8  # weight of step j = step_decay ** j
@@ -76,12 +70,7 @@ class Eagle3TrainConfig(RunConfig):
                        f"{self.val_fraction}")
     if not self.data_dirs and not self.store_dir:
       raise ValueError("data_dirs is empty")
-    if self.distill and not self.store_dir:
-      raise ValueError(f"distill={self.distill!r} needs store_dir (soft labels come from a distillation store)")
-    if self.max_train_tokens < 0 or (self.max_train_tokens and not self.store_dir):
-      raise ValueError(f"max_train_tokens must be >= 0 and needs store_dir, got {self.max_train_tokens}")
-    if self.distill not in ("",) + DISTILL_KINDS:
-      raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
+    self.check_store_fields()
 
 
 class Windows:
@@ -388,7 +377,7 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
   from the store, the loss `cfg.distill` against the target's soft labels; held-out tau_sim every eval_every
   steps on the store's held-out windows."""
   from longspec_jax.hf_io import load_model_dir, weights_sha256 as sha
-  from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
+  from longspec_jax.training.distill_store import DistillStore, StoreWindows
 
   kind = cfg.distill or "kl"
   store = DistillStore(cfg.store_dir)
@@ -399,8 +388,7 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
   pad_id = pad_token(tcfg)
   aux = tuple(cfg.aux_layers) or default_aux_layers(tcfg.num_hidden_layers)
   # the held-out windows fixed at the first start: the curve's anchors stay put while the store grows
-  train_w, val_w, _ = kept_store_split(cfg.out_dir, store,
-                                       split_windows(store, cfg.seed, cfg.val_fraction, cfg.max_train_tokens), resume)
+  train_w, val_w, _ = kept_store_split(cfg.out_dir, store, cfg.store_split(store), resume)
   sampler = StoreWindows(store, train_w, cfg.context_len, aux, pad_id, cfg.seed)
   val_sampler = StoreWindows(store, val_w, cfg.context_len, aux, pad_id, cfg.seed + 1)
   draft_ids = draft_vocab_from_counts(store.argmax_counts(train_w, tcfg.vocab_size), cfg.draft_vocab_size)
@@ -469,14 +457,15 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
 # --- a shipped drafter against the store: held-out tau_sim, and a smaller draft vocabulary ---------------------
 
 def evaluate_on_store(loaded, target, store_dir, *, context_len: int = 512, ttt_steps: int = 4,
-                      val_windows: int = 32, val_fraction: float = 0.03, seed: int = 0) -> dict:
+                      val_windows: int = 32, val_fraction: float = 0.03, seed: int = 0,
+                      held_out_within_tokens: int = 0) -> dict:
   """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an EAGLE-3 drafter (`load_eagle3`) on the store's
-  held-out windows (the split train_eagle3_from_store uses with the same seed and val_fraction): drafters trained
-  any way are compared on the same rows."""
+  held-out windows (the split train_eagle3_from_store uses with the same seed, val_fraction and
+  held_out_within_tokens): drafters trained any way are compared on the same rows."""
   from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
   spec, params = loaded.spec, loaded.params
   store = DistillStore(store_dir)
-  _, val_w = split_windows(store, seed, val_fraction)
+  _, val_w = split_windows(store, seed, val_fraction, held_out_within_tokens=held_out_within_tokens)
   pad_id = pad_token(target.cfg)
   sampler = StoreWindows(store, val_w, context_len, spec.taps, pad_id, seed + 1)
   draft_ids = np.arange(spec.draft_vocab_size) + np.asarray(params["d2t"])

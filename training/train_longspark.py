@@ -37,17 +37,17 @@ from longspec_jax.rope import apply_rope, rope_frequencies
 from longspec_jax.pallas_kernels.length_masked_attention import merge_attention_views
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
-from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
+from longspec_jax.training.losses import cross_entropy
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, copy_target_layers, fold_input_scale,
                                                   inverse_median_scale, kept_store_split, last_logged, load_data_dirs,
                                                   store_evaluator, store_head, store_record, store_target,
                                                   train_to_export, trained_head, write_draft_vocab,
                                                   write_drafter_json)
-from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
+from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class LongSparkTrainConfig(RunConfig):
+class LongSparkTrainConfig(StoreRunConfig):
   data_dirs: tuple[str, ...] = ("runs/drafter_data_long",)
   target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
   out_dir: str = "runs/drafter_longspark"
@@ -75,14 +75,9 @@ class LongSparkTrainConfig(RunConfig):
   compute_dtype: str = "bfloat16"
   # >0: half the windows are moved to a random start in [0, position_shift_max - length] (see _shift_window).
   position_shift_max: int = 0
-  # A distillation store (`longspec make-distill-store` with the drafter's layers in --kv-layers and their outputs
-  # in --taps) replaces data_dirs: windows of the corpus text (and the target's own continuations), every window
+  # With store_dir (StoreRunConfig; the drafter's layers in the store's --kv-layers, their outputs in --taps),
+  # it trains, instead of data_dirs, on windows of the corpus text (and the target's own continuations), every window
   # cut anywhere, and the labels are the target's top-k next-token distribution at each slot (`distill`).
-  store_dir: str = ""
-  distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); training.losses
-  # With a store: train on its first N tokens of train windows only (0 = all of them), so a resumed run on a
-  # store that has grown since keeps its distinct data (a data-scaling arm).
-  max_train_tokens: int = 0
   # With a store: the LM head over the N tokens most often the target's argmax on the store's train windows, in
   # training (the 49,152-wide head dominated a step) and, by default, when the exported drafter drafts. 0 = all.
   draft_vocab_size: int = 0
@@ -102,13 +97,7 @@ class LongSparkTrainConfig(RunConfig):
                        f"{self.markov_rank}, {self.val_windows}")
     if not self.data_dirs and not self.store_dir:
       raise ValueError("data_dirs is empty (or give store_dir)")
-    if (self.distill or self.draft_vocab_size or self.max_train_tokens) and not self.store_dir:
-      raise ValueError("distill, draft_vocab_size and max_train_tokens need store_dir (soft labels come from a "
-                       "distillation store)")
-    if self.max_train_tokens < 0:
-      raise ValueError(f"max_train_tokens must be >= 0, got {self.max_train_tokens}")
-    if self.distill not in ("",) + DISTILL_KINDS:
-      raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
+    self.check_store_fields("draft_vocab_size")
     if self.draft_vocab_size and self.markov_rank:
       raise ValueError("draft_vocab_size needs markov_rank 0 (the Markov head scores the whole vocabulary)")
     if self.store_dir and self.tail_rows < 2:
@@ -461,16 +450,16 @@ def store_eval_sampler(model: LongSparkModel, store, windows, seed: int, anchors
 
 def evaluate_longspark_on_store(drafter_dir, target, store_dir, *, draws: int = 32, val_fraction: float = 0.03,
                                 seed: int = 0, tail_rows: int = 256, anchors_per_window: int = 32,
-                                anywhere_fraction: float = 0.9) -> dict:
+                                anywhere_fraction: float = 0.9, held_out_within_tokens: int = 0) -> dict:
   """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an exported LongSpark drafter on the store's held-out
-  windows (the split train_longspark_from_store makes with the same seed and val_fraction), `draws` windows of
-  `anchors_per_window` anchors each, over the draft vocabulary it drafts with (drafter.json): drafters trained any
-  way are compared on the same anchors."""
+  windows (the split train_longspark_from_store makes with the same seed, val_fraction and held_out_within_tokens),
+  `draws` windows of `anchors_per_window` anchors each, over the draft vocabulary it drafts with (drafter.json):
+  drafters trained any way are compared on the same anchors."""
   from longspec_jax.drafters.longspark import load_longspark_model
   from longspec_jax.training.distill_store import DistillStore, split_windows
   store = DistillStore(store_dir)
   model = load_longspark_model(drafter_dir)
-  _, val_w = split_windows(store, seed, val_fraction)
+  _, val_w = split_windows(store, seed, val_fraction, held_out_within_tokens=held_out_within_tokens)
   sampler = store_eval_sampler(model, store, val_w, seed + 1, anchors_per_window, tail_rows, anywhere_fraction)
   extra = trained_head(target_io(target, final_norm=True), drafter_dir)
   graphdef, params = nnx.split(model)
@@ -482,7 +471,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   """train_longspark on a distillation store: anchors in windows of the store's train split, K/V and boundary taps
   from the store, the loss `cfg.distill` against the target's soft labels at every slot, the LM head over the draft
   vocabulary; held-out per-slot top-1 agreement and tau_sim every eval_every steps."""
-  from longspec_jax.training.distill_store import DistillStore, split_windows
+  from longspec_jax.training.distill_store import DistillStore
 
   kind = cfg.distill or "kl"
   store = DistillStore(cfg.store_dir)
@@ -491,7 +480,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   dcfg = drafter_config(cfg, target.cfg)
   rows = StoreLongSparkRows(store, dcfg.target_layer_ids)
   train_w, val_w, scale = kept_store_split(
-      cfg.out_dir, store, split_windows(store, cfg.seed, cfg.val_fraction, cfg.max_train_tokens), resume,
+      cfg.out_dir, store, cfg.store_split(store), resume,
       lambda w: boundary_scale([AnchorSampler(rows, w, cfg, cfg.seed, tail=cfg.tail_rows)], cfg.batch_size)
       if cfg.normalize_boundary else None)
   sampler = AnchorSampler(rows, train_w, cfg, cfg.seed, tail=cfg.tail_rows)

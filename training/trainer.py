@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from longspec_jax import sharding as shd
 from longspec_jax.distributed import agree, host_values, is_main_process
+from longspec_jax.training.losses import DISTILL_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,38 @@ class RunConfig:
     for name in names:
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreRunConfig(RunConfig):
+  """RunConfig plus what a trainer reads from a distillation store (`longspec make-distill-store`), which then
+  replaces its data_dirs: the labels are the target's own top-k next-token distribution at every position."""
+  store_dir: str = ""
+  distill: str = ""  # with a store: "kl" (default) | "tv" | "hard" (CE on the target's argmax); training.losses
+  # With a store: train on its first N tokens of train windows only (0 = all of them), so a resumed run on a
+  # store that has grown since keeps its distinct data (a data-scaling arm).
+  max_train_tokens: int = 0
+  # With a store: score only the held-out windows within its first N tokens (0 = all of them), so arms started
+  # as the store grows are scored on the same windows (distill_store.split_windows).
+  held_out_within_tokens: int = 0
+
+  def store_split(self, store) -> tuple:
+    """(train, held-out) windows of `store` for this run (distill_store.split_windows; the subclass has
+    val_fraction)."""
+    from longspec_jax.training.distill_store import split_windows
+    return split_windows(store, self.seed, self.val_fraction, self.max_train_tokens, self.held_out_within_tokens)
+
+  def check_store_fields(self, *store_only: str) -> None:
+    """The store fields' checks; `store_only` names further fields that need store_dir when set."""
+    if self.distill not in ("",) + DISTILL_KINDS:
+      raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
+    for name in ("max_train_tokens", "held_out_within_tokens"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    needs = [n for n in ("distill", "max_train_tokens", "held_out_within_tokens") + store_only if getattr(self, n)]
+    if needs and not self.store_dir:
+      raise ValueError(f"{', '.join(needs)} need{'s' if len(needs) == 1 else ''} store_dir (soft labels come from a "
+                       "distillation store)")
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
