@@ -74,7 +74,8 @@ def test_suite_runs_the_llamacpp_peers_on_smollm2(tmp_path):
   tokens part from ours; the GGUF and the llama-cpp-python version are in the checkpoint identity."""
   import yaml
   path = tmp_path / "suite.yaml"
-  path.write_text(yaml.safe_dump(dict(model="smollm2-135m", methods=["ar", "llama.cpp-ar", "llama.cpp-lookup:num_draft=4"],
+  methods = ["ar", "llama.cpp-ar", "llama.cpp-lookup:num_draft=4"]
+  path.write_text(yaml.safe_dump(dict(model="smollm2-135m", methods=methods,
                                       contexts=[96], num_prompts=2, min_docs=2, new_tokens=8, bootstrap=200)))
   res = run_suite(load_config(str(path)), tmp_path / "out", progress=False)
   cells = {c["method"]: c for c in res["cells"]}

@@ -221,7 +221,8 @@ def test_training_forward_matches_inference(target, pre_len):
   boundary = jnp.take_along_axis(out.taps, (anchors - 1)[..., None, None], axis=1)
   nxt = anchors[..., None] + jnp.arange(bs)
   prev = jnp.take_along_axis(toks[:, None, :], jnp.minimum(nxt, t - 1), axis=2)
-  train_logits = longspark_train_logits(m, target_io(target, final_norm=True), boundary, anchors, g_out, k, v, pos, prev)
+  train_logits = longspark_train_logits(m, target_io(target, final_norm=True), boundary, anchors, g_out, k, v, pos,
+                                        prev)
   init, block = jax.jit(d.spec.init_state, static_argnums=2), jax.jit(d.spec.block_logits)  # one compile each
   for j in range(anchors.shape[1]):
     a = anchors[:, j]
