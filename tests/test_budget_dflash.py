@@ -129,6 +129,10 @@ def test_bad_settings(dflash):
     DFlashBudgetTrainConfig(context_len=512, min_prompt=400, continuation_len=256)
   with pytest.raises(ValueError, match="one non-negative probability per budget"):
     DFlashBudgetTrainConfig(budgets=(64, 128), budget_probs=(1.0,))
+  with pytest.raises(ValueError, match="distill must be one of"):  # the store fields' checks (StoreRunConfig)
+    DFlashBudgetTrainConfig(distill="ce")
+  with pytest.raises(ValueError, match="held_out_within_tokens must be >= 0"):
+    DFlashBudgetTrainConfig(held_out_within_tokens=-1)
 
 
 @pytest.mark.slow

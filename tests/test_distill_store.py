@@ -461,5 +461,6 @@ def test_dels_trains_from_the_store_over_store_dflash_and_longspark(setup, tmp_p
   combined = load_dels(over_ls, target)
   assert combined.spec.name == "longspark-dels" and combined.spec.needs_target_kv
   assert generate(target, prompts, max_new_tokens=8, eos_id=-1, drafter=combined, num_draft=3).tokens == ar
-  with pytest.raises(ValueError, match="needs? store_dir"):
-    from_dict(DeLSTrainConfig, dict(distill="kl"))
+  for bad in (dict(distill="kl"), dict(head_from="b/final"), dict(max_train_tokens=4096)):
+    with pytest.raises(ValueError, match=f"{next(iter(bad))} needs store_dir"):
+      from_dict(DeLSTrainConfig, bad)

@@ -40,11 +40,11 @@ from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, la
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.train_budget import check_budget_draw, multiview_record
 from longspec_jax.training.train_dflash import StoreBlockSampler, train_block_logits, train_context_kv
-from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
+from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashBudgetTrainConfig(RunConfig):
+class DFlashBudgetTrainConfig(StoreRunConfig):
   store_dir: str = "runs/distill_smollm2"
   init_dir: str = ""  # the DFlash checkpoint to fine-tune ("" = the one shipped for the store's target)
   target_dir: str = ""  # "" = the target the store records
@@ -53,7 +53,7 @@ class DFlashBudgetTrainConfig(RunConfig):
   budget_probs: tuple[float, ...] = (0.25, 0.25, 0.25, 0.25)  # ... with these probabilities
   sparse_weight: float = 1.0  # loss = L_full + sparse_weight * L_sparse
   keep_recent: bool = True  # selection keeps the newest (possibly partial) prompt chunk
-  distill: str = "kl"  # kl | tv | hard
+  distill: str = "kl"  # kl | tv | hard (StoreRunConfig)
   context_len: int = 2048  # rows per training window
   min_prompt: int = 1024  # P drawn in [min_prompt, valid - continuation_len]
   continuation_len: int = 256  # anchors drawn in [P, P + continuation_len)
@@ -69,6 +69,7 @@ class DFlashBudgetTrainConfig(RunConfig):
 
   def __post_init__(self):
     check_budget_draw(self)
+    self.check_store_fields()
     self.require_positive("context_len", "continuation_len", "anchors_per_window", "batch_size", "steps",
                           "val_windows")
     if not 1 <= self.min_prompt <= self.context_len - self.continuation_len:
@@ -143,7 +144,7 @@ def held_out_evaluator(graphdef, samplers: dict, extra: dict, cfg: DFlashBudgetT
 def train_dflash_budget(cfg: DFlashBudgetTrainConfig, resume: bool = True) -> Path:
   from longspec_jax.drafters import drafter_path
   from longspec_jax.hf_io import load_model_dir
-  from longspec_jax.training.distill_store import DistillStore, StoreWindows, split_windows
+  from longspec_jax.training.distill_store import DistillStore, StoreWindows
 
   store = DistillStore(cfg.store_dir)
   target_dir = Path(cfg.target_dir) if cfg.target_dir else store_target(store)
@@ -153,7 +154,7 @@ def train_dflash_budget(cfg: DFlashBudgetTrainConfig, resume: bool = True) -> Pa
   model = load_dflash_model(init_dir, dtype=dtype)
   model.cfg.check_target(target.cfg)
   pad_id = pad_token(target.cfg)
-  train_w, val_w = split_windows(store, cfg.seed, cfg.val_fraction)
+  train_w, val_w = cfg.store_split(store)
 
   def sampler(windows, seed, gamma, budget=None):
     rows = StoreWindows(store, windows, cfg.context_len, model.cfg.taps, pad_id, seed)

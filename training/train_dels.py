@@ -32,17 +32,17 @@ from longspec_jax.drafters.dflash import load_dflash_model
 from longspec_jax.drafters.frozen_target import read_draft_vocab, target_io, trained_draft_vocab
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.training.drafter_data import target_name, weights_sha256
-from longspec_jax.training.losses import DISTILL_KINDS, cross_entropy
+from longspec_jax.training.losses import cross_entropy
 from longspec_jax.training.drafter_common import (block_loss, check_token_ids, kept_store_split, last_logged,
                                                   load_data_dirs, make_tap_fn, pad_token, soft_label_stats,
                                                   split_indices, store_head, store_record, store_target,
                                                   train_to_export, trained_head, write_drafter_json)
 from longspec_jax.training.train_dflash import BlockSampler, batch_logits, dflash_store_sampler, dflash_train_logits
-from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
+from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
 
 
 @dataclasses.dataclass(frozen=True)
-class DeLSTrainConfig(RunConfig):
+class DeLSTrainConfig(StoreRunConfig):
   data_dirs: tuple[str, ...] = ("runs/drafter_data",)
   base: str = "dflash"  # the frozen DFlash: a shipped drafter name or a directory
   target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
@@ -63,11 +63,10 @@ class DeLSTrainConfig(RunConfig):
   tune_num_draft: int = 8  # drafts per step the alpha/beta tuning optimizes acceptance for
   alpha_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
   beta_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
-  # A distillation store (`longspec make-distill-store` with the base's taps) replaces data_dirs: blocks anywhere in
-  # the store's train windows, the head trained against the target's top-k distribution at each slot (`distill`),
-  # alpha/beta tuned on its held-out windows against the target's argmax (DFlash's logits from the stored taps).
-  store_dir: str = ""
-  distill: str = ""  # with a store: "kl" (default) | "tv" | "hard"; training.losses
+  # store_dir (StoreRunConfig; `longspec make-distill-store` with the base's taps) replaces data_dirs: blocks
+  # anywhere in the store's train windows, the head trained against the target's top-k distribution at each slot
+  # (`distill`), alpha/beta tuned on its held-out windows against the target's argmax (DFlash's logits from the
+  # stored taps).
   # With a store: no training, the head of this exported DeLS directory (saved as projections) tuned for `base`
   # (one head serves every base: it reads only the block's tokens).
   head_from: str = ""
@@ -79,10 +78,7 @@ class DeLSTrainConfig(RunConfig):
       raise ValueError(f"need gamma > 0 and 0 < val_fraction < 1, got {self.gamma}, {self.val_fraction}")
     if not self.data_dirs or not self.alpha_grid or not self.beta_grid:
       raise ValueError("data_dirs, alpha_grid and beta_grid must be non-empty")
-    if (self.distill or self.head_from) and not self.store_dir:
-      raise ValueError("distill and head_from need store_dir (soft labels come from a distillation store)")
-    if self.distill and self.distill not in DISTILL_KINDS:
-      raise ValueError(f"distill must be one of {DISTILL_KINDS}, got {self.distill!r}")
+    self.check_store_fields("head_from")
 
 
 HEAD_PARAMS = ("proj", "w_ih", "w_hh", "rank", "up")  # what training fits (and the export saves)
@@ -419,7 +415,7 @@ def train_dels_from_store(cfg: DeLSTrainConfig, resume: bool) -> Path:
   """train_dels on a distillation store (or, with head_from, an exported head retuned for another base): the head
   from _store_head_factors, alpha/beta tuned on the base's held-out blocks (store_val_hits); the export holds the
   head as projections of the target's tables."""
-  from longspec_jax.training.distill_store import DistillStore, split_windows
+  from longspec_jax.training.distill_store import DistillStore
 
   store = DistillStore(cfg.store_dir)
   target_dir = Path(cfg.target_dir) if cfg.target_dir else store_target(store)
@@ -427,7 +423,7 @@ def train_dels_from_store(cfg: DeLSTrainConfig, resume: bool) -> Path:
   base_dir = resolve_base_dir(Path.cwd(), cfg.base)
   v = target.cfg.vocab_size
   # The split the store trainers make with the same seed and val_fraction: tuning blocks the base never saw.
-  train_w, val_w, _ = kept_store_split(cfg.out_dir, store, split_windows(store, cfg.seed, cfg.val_fraction), resume)
+  train_w, val_w, _ = kept_store_split(cfg.out_dir, store, cfg.store_split(store), resume)
   log_prior = unigram_log_prior(store.argmax_counts(train_w, v), v)
   base = store_base(base_dir, target, store, val_w, cfg)
   if cfg.head_from:
