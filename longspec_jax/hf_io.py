@@ -86,7 +86,63 @@ def _read_tensors(model_dir: Path) -> dict[str, jax.Array]:
           tensors[k] = fh.get_tensor(k)
     except (SafetensorError, OSError, ValueError) as e:
       raise ValueError(f"corrupt safetensors file {path}: {e}") from e
-  return tensors
+  return dequantize_int8(tensors, where=str(model_dir))
+
+
+# Int8 storage (`quantize_int8_tensors`): a matrix NAME [out, in] stored as int8 beside NAME_scale [out] (fp32, one
+# symmetric scale per output channel, as `model.quantize_per_channel`), which halves a bf16 checkpoint on disk. It
+# is a storage format only: reading returns fp32 matrices, so every loader is unchanged.
+INT8_SCALE_SUFFIX = "_scale"
+
+
+def quantize_int8_tensors(tensors: dict[str, np.ndarray], min_size: int = 65536) -> dict[str, np.ndarray]:
+  """Floating matrices of at least `min_size` entries -> int8 + NAME_scale; the rest (norms, index tensors) kept."""
+  from longspec_jax.model import quantize_per_channel
+
+  out = {}
+  for name, a in tensors.items():
+    if a.ndim == 2 and jnp.issubdtype(a.dtype, jnp.floating) and a.size >= min_size:
+      values, scale = quantize_per_channel(jnp.asarray(a), axis=0)  # torch layout [out, in]: a scale per row
+      out[name], out[name + INT8_SCALE_SUFFIX] = np.asarray(values), np.asarray(scale, np.float32)
+    else:
+      out[name] = a
+  return out
+
+
+def write_int8_copy(src_dir, out_dir, min_size: int = 65536) -> dict:
+  """A copy of checkpoint directory `src_dir` (single-file safetensors) whose large matrices are stored int8
+  (`quantize_int8_tensors`); the other files are copied as they are. Written to a temporary directory renamed into
+  place, so a crash leaves no half-written copy. Returns {"bytes_before", "bytes_after", "int8_tensors"}."""
+  from safetensors.numpy import save_file
+
+  src, out = Path(src_dir), Path(out_dir)
+  if not (src / SINGLE_FILE).exists():
+    raise FileNotFoundError(f"no {SINGLE_FILE} in {src} (sharded checkpoints are not supported here)")
+  if out.exists():
+    raise FileExistsError(f"{out} exists; choose a new directory")
+  tensors = {k: np.asarray(v) for k, v in _read_tensors(src).items()}
+  quantized = quantize_int8_tensors(tensors, min_size)
+  tmp = out.with_name(out.name + ".tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(SINGLE_FILE))
+  save_file(quantized, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+  os.replace(tmp, out)
+  return {"bytes_before": (src / SINGLE_FILE).stat().st_size, "bytes_after": (out / SINGLE_FILE).stat().st_size,
+          "int8_tensors": sum(v.dtype == np.int8 for v in quantized.values())}
+
+
+def dequantize_int8(tensors: dict, where: str = "") -> dict:
+  """Inverse of `quantize_int8_tensors` (fp32 matrices); tensors without int8 entries come back unchanged."""
+  out = dict(tensors)
+  for name, a in tensors.items():
+    if a.dtype != jnp.int8:
+      continue
+    scale = out.pop(name + INT8_SCALE_SUFFIX, None)
+    if scale is None or a.ndim != 2 or scale.shape != (a.shape[0],):
+      raise ValueError(f"{where}: int8 tensor {name} {tuple(a.shape)} needs a scale {name}{INT8_SCALE_SUFFIX} of "
+                       f"shape ({a.shape[0]},), got {None if scale is None else tuple(scale.shape)}")
+    out[name] = jnp.asarray(a, jnp.float32) * jnp.asarray(scale, jnp.float32)[:, None]
+  return out
 
 
 def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: str = "",

@@ -323,6 +323,36 @@ def test_load_public_layout(target, tmp_path):
   assert np.all(np.asarray(q1)[..., np.setdiff1d(np.arange(V), allowed)] == 0)
 
 
+def test_int8_storage_reads_back_within_one_step_and_stays_lossless(target, tmp_path):
+  """hf_io.write_int8_copy: matrices stored int8 with a scale per output row read back within half a quantization
+  step of the original, everything else unchanged; the copy loads and drafts losslessly; bad copies are errors."""
+  from safetensors.numpy import save_file
+
+  from longspec_jax.hf_io import _read_tensors, write_int8_copy
+  tensors = _write_public(tmp_path / "e3", target.cfg)
+  stats = write_int8_copy(tmp_path / "e3", tmp_path / "i8", min_size=0)
+  assert stats["int8_tensors"] == sum(t.ndim == 2 for t in tensors.values())
+  assert stats["bytes_after"] < 0.4 * stats["bytes_before"]  # fp32 -> int8 plus one fp32 scale per row
+  back = _read_tensors(tmp_path / "i8")
+  assert sorted(back) == sorted(tensors)
+  for name, t in tensors.items():
+    b = np.asarray(back[name])
+    if t.ndim == 2:
+      step = np.abs(t).max(axis=1, keepdims=True) / 127
+      assert np.all(np.abs(b - t) <= step / 2 + 1e-7), name
+    else:
+      np.testing.assert_array_equal(b, t)
+  ar_prompts = _prompts(1, [5])
+  ar = generate(target, ar_prompts, max_new_tokens=24, eos_id=-1)
+  drafter = load_eagle3(tmp_path / "i8", target)
+  assert generate(target, ar_prompts, max_new_tokens=24, eos_id=-1, drafter=drafter, num_draft=3).tokens == ar.tokens
+  with pytest.raises(FileExistsError, match="exists"):
+    write_int8_copy(tmp_path / "e3", tmp_path / "i8")
+  save_file({"fc.weight": np.ones((4, 8), np.int8)}, str(tmp_path / "i8" / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"int8 tensor fc.weight \(4, 8\) needs a scale fc.weight_scale"):
+    load_eagle3(tmp_path / "i8", target)
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"vocab_size": V + 8}, "vocabulary"),
     ({"hidden_size": 64}, "hidden size"),
