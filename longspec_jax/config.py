@@ -23,7 +23,10 @@ _HF_IGNORED_KEYS = frozenset({
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "mask_token_id", "chunk_size_feed_forward",
     "tokenizer_class", "prefix", "task_specific_params", "finetuning_task", "cross_attention_hidden_size",
     "add_cross_attention", "output_scores", "return_dict_in_generate", "torchscript", "partial_rotary_factor",
+    "quantization_config",
 })
+# The one quantized storage read here: hf_io's int8 matrices with a scale per output row.
+INT8_QUANT_METHOD = "longspec_int8_per_row"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,9 @@ class ModelConfig:
       raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     if d.get("partial_rotary_factor", 1.0) != 1.0:
       raise ValueError("partial_rotary_factor != 1 is not supported")
+    quant = d.get("quantization_config", {}).get("quant_method", INT8_QUANT_METHOD)
+    if quant != INT8_QUANT_METHOD:
+      raise ValueError(f"quantization {quant!r} is not supported (only {INT8_QUANT_METHOD!r}, hf_io.write_int8_copy)")
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
     head_dim = d.get("head_dim") or hidden // heads
     max_pos = d.get("max_position_embeddings", 32768)

@@ -46,6 +46,8 @@ def test_config_errors(tiny_cfg):
     ModelConfig.from_hf_dict(dict(d, num_key_value_heads=3))
   with pytest.raises(ValueError, match="unsupported rope type"):
     ModelConfig.from_hf_dict(dict(d, rope_parameters={"rope_type": "weird", "rope_theta": 1.0}))
+  with pytest.raises(ValueError, match="quantization 'gptq' is not supported"):
+    ModelConfig.from_hf_dict(dict(d, quantization_config={"quant_method": "gptq", "bits": 4}))
 
 
 def test_checkpoint_errors(tmp_path, tiny_model):

@@ -335,6 +335,7 @@ def test_int8_storage_reads_back_within_one_step_and_stays_lossless(target, tmp_
   assert stats["bytes_after"] < 0.4 * stats["bytes_before"]  # fp32 -> int8 plus one fp32 scale per row
   back = _read_tensors(tmp_path / "i8")
   assert sorted(back) == sorted(tensors)
+  assert json.loads((tmp_path / "i8" / "config.json").read_text())["quantization_config"]["bits"] == 8
   for name, t in tensors.items():
     b = np.asarray(back[name])
     if t.ndim == 2:
