@@ -108,7 +108,7 @@ class ModelConfig:
       raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     if d.get("partial_rotary_factor", 1.0) != 1.0:
       raise ValueError("partial_rotary_factor != 1 is not supported")
-    quant = d.get("quantization_config", {}).get("quant_method", INT8_QUANT_METHOD)
+    quant = (d.get("quantization_config") or {}).get("quant_method", INT8_QUANT_METHOD)
     if quant != INT8_QUANT_METHOD:
       raise ValueError(f"quantization {quant!r} is not supported (only {INT8_QUANT_METHOD!r}, hf_io.write_int8_copy)")
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
