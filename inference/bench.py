@@ -44,7 +44,7 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
               seed: int = 0, batch: int = 1, num_draft: int | None = None, drafter_dir=None, repeats: int = 3,
               top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None,
               budget: int | None = None, draft_length=None, learned: str | None = None,
-              draft_vocab: int | None = None, parts: str | None = None) -> dict:
+              draft_vocab: int | None = None, parts: str | None = None, tree=None) -> dict:
   """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
   in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)
@@ -54,7 +54,7 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
   # The speculative call as generate() will run it: checks, K (the drafter's default when None), buckets.
   spec_call = (engine.prepare(model, prompts, new_tokens, drafter=drafter, num_draft=num_draft,
-                              draft_length=draft_length, **kw)
+                              draft_length=draft_length, tree=tree, **kw)
                if drafter is not None else None)
 
   if ar_baseline is None:
@@ -72,6 +72,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
     out["learned"] = learned
   if draft_vocab is not None:
     out["draft_vocab"] = draft_vocab
+  if spec_call and spec_call[0].tree is not None:
+    out["tree"] = str(spec_call[0].tree)
   if drafter is None:
     out.update(tau=1.0, accept_per_position=[], target_forwards=ar.target_forwards, tokens_per_s=ar_tps,
                speedup=1.0, draft_ms_per_step=0.0, verify_ms_per_step=None, drafter_state_bytes=0,
@@ -80,7 +82,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
     log(f"{method}: compiling, then {repeats} timed calls")
     res, tps, prefill, decode = decode_rate(model, prompts, new_tokens, repeats, drafter=drafter,
                                             num_draft=spec_call[0].num_draft,
-                                            draft_length=spec_call[0].draft_length, **kw)
+                                            draft_length=spec_call[0].draft_length, tree=spec_call[0].tree,
+                                            **kw)
     log(f"{method}: tau {res.stats['tau']:.2f}; timing one draft and one verify step")
     draft_ms, verify_ms, state_bytes = profile_step(*spec_call)
     out.update(tau=res.stats["tau"], accept_per_position=res.stats["accept_per_position"],

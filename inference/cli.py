@@ -95,6 +95,10 @@ DRAFT_LENGTH_HELP = ("drafts verified per step: fixed (K every step), auto (chos
                      "running acceptance rates, one per draft class such as prompt lookup's matched n-gram length; "
                      "0 is a plain decode step), or a rule JSON from calibrate-draft-length (costs measured on this "
                      "machine)")
+TREE_HELP = ("greedy tree drafting (eagle3): verify a static tree of candidates instead of a chain, given as paths of "
+             "ranks, e.g. '0;1;0.0;0.1;0.0.0' (the drafter's best token, its second, the best after the best, ...), or "
+             "FILE.json#N, the N-node tree of a tree file (configs/trees/smollm2_eagle3.json#16: built from the "
+             "shipped SmolLM2 EAGLE-3's measured rank acceptance). K is the tree's depth")
 DRAFT_VOCAB_HELP = ("DFlash / LongSpark: the drafter's LM head cut to the N most frequent target tokens (the first N "
                     "of the checkpoint's draft_vocab.json): a cheaper draft pass; default the full vocabulary")
 PARTS_HELP = ("--method combined: the parts that are on, joined by '+' (of longspark, dflash, dels; default all "
@@ -113,12 +117,26 @@ def read_text_file(path: str, what: str) -> str:
     raise ValueError(f"{what} {p} is not UTF-8 text") from None
 
 
+def check_tree_flag(a) -> None:
+  if a.tree is None:
+    return
+  from longspec_jax.draft_tree import load_tree
+  load_tree(a.tree)  # one clear error for a malformed tree or a missing file
+  if a.method == "ar":
+    raise ValueError("--tree applies to speculative methods; --method ar drafts nothing")
+  if a.temperature > 0:
+    raise ValueError("--tree verifies greedily: use --temperature 0, or drop --tree to sample with a chain")
+  if a.draft_length != "fixed" or a.num_draft is not None:
+    raise ValueError("--tree fixes the drafts per step (K = its depth): drop --draft-length / --num-draft")
+
+
 def check_method_flags(a) -> None:
   """Flags that the chosen method (or sampling mode) would ignore are refused, before any model loads."""
   from longspec_jax.drafters import check_drafter_options
   method = a.method
   check_drafter_options(method, a.sharpdraft, a.budget, a.learned, a.draft_vocab, a.parts)
   check_draft_length_flag(a)
+  check_tree_flag(a)
   if method == "ar":
     for flag, value in (("--num-draft", a.num_draft), ("--drafter", a.drafter)):
       if value is not None:
@@ -181,7 +199,7 @@ def cmd_generate(a) -> int:
   call = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               seed=a.seed)
   config, params, inputs = engine.prepare(model, [ids], drafter=drafter, num_draft=a.num_draft,
-                                          draft_length=draft_length_arg(a), **call)
+                                          draft_length=draft_length_arg(a), tree=a.tree, **call)
   modes = [("method", config, params, inputs)]
   if a.compare_ar:
     modes.append(("ar", *engine.prepare(model, [ids], **call)))
@@ -308,6 +326,7 @@ def cmd_bench(a) -> int:
   text = read_text_file(a.text_file, "text file")
   check_drafter_options(a.method, a.sharpdraft, a.budget, a.learned, a.draft_vocab, a.parts)
   check_draft_length_flag(a)
+  check_tree_flag(a)
   a.peer = a.peer or []
   if "transformers" in a.peer and importlib.util.find_spec("torch") is None:
     raise ValueError("--peer transformers needs torch: pip install -e \".[test]\"")
@@ -335,7 +354,8 @@ def cmd_bench(a) -> int:
       f"method {a.method} vs AR, {a.repeats} timed repeats each after a compiling call")
   res = run_bench(model, tok, a.method, text, a.context, a.new_tokens, a.temperature, a.seed, a.batch,
                   a.num_draft, a.drafter, a.repeats, sharpdraft=a.sharpdraft, log=log, budget=a.budget,
-                  learned=a.learned, draft_vocab=a.draft_vocab, parts=a.parts, draft_length=draft_length_arg(a))
+                  learned=a.learned, draft_vocab=a.draft_vocab, parts=a.parts, draft_length=draft_length_arg(a),
+                  tree=a.tree)
   peer_prompt = bench_prompts(ids, a.context, 1, model.cfg.bos_token_id)[0]  # the peers run the first sequence
   if "transformers" in a.peer:
     log("transformers peers on the same weights: AR, assisted generation, prompt lookup")
@@ -507,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--draft-vocab", type=positive_int, metavar="N", help=DRAFT_VOCAB_HELP)
   g.add_argument("--parts", metavar="A+B", help=PARTS_HELP)
   g.add_argument("--draft-length", metavar="fixed|auto|RULE.json", default="fixed", help=DRAFT_LENGTH_HELP)
+  g.add_argument("--tree", metavar="PATHS", help=TREE_HELP)
   g.add_argument("--compare-ar", action="store_true",
                  help="also run plain AR on the same prompt: its tokens/s, the speedup, and whether the tokens are "
                       "equal")
@@ -595,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
   bn.add_argument("--num-draft", type=positive_int, default=None,
                   help="K drafted tokens per verification (default: 8, or the drafter's block limit if smaller)")
   bn.add_argument("--draft-length", metavar="fixed|auto|RULE.json", default="fixed", help=DRAFT_LENGTH_HELP)
+  bn.add_argument("--tree", metavar="PATHS", help=TREE_HELP)
   bn.add_argument("--model", help=MODEL_HELP)
   bn.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
   bn.add_argument("--dtype", choices=list(TARGET_DTYPES), default="float32", help=DTYPE_HELP)

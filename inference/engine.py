@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from longspec_jax.draft_tree import DraftTree, gather_path, load_tree, verify_tree_greedy
 from longspec_jax.drafters.base import (LoadedDrafter, PrefillResult, ProposeContext, VerifyResult, default_num_draft,
                                        max_draft_tokens)
 from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, initial_rates,
@@ -117,6 +118,24 @@ def resolve_draft_length(draft_length, spec, num_draft: int | None) -> DraftLeng
   return draft_length
 
 
+def resolve_tree(tree, spec, temperature: float, num_draft, rule) -> DraftTree | None:
+  """The call's draft tree (None: a chain), checked against what tree verification supports."""
+  if tree is None:
+    return None
+  if not isinstance(tree, DraftTree):
+    tree = load_tree(tree)
+  if not hasattr(spec, "propose_tree"):
+    raise ValueError(f"drafter {spec.name!r} drafts chains only; tree drafting needs a drafter with propose_tree "
+                     f"(eagle3)")
+  if temperature > 0:
+    raise ValueError("tree verification is greedy: use temperature 0, or a chain (no tree) to sample")
+  if rule is not None:
+    raise ValueError("a draft tree has a fixed shape: use draft_length='fixed' with a tree")
+  if num_draft is not None and num_draft != tree.depth:
+    raise ValueError(f"num_draft ({num_draft}) differs from the tree's depth ({tree.depth}); leave it unset")
+  return tree
+
+
 def sizes(cfg, longest: int, max_new_tokens: int, num_draft: int = 0) -> tuple[int, int]:
   """(prompt bucket, cache length); raises if the longest prompt cannot get max_new_tokens. A verify pass writes
   K+1 rows past the last committed token, so speculative decoding needs that headroom."""
@@ -138,6 +157,7 @@ class GenerationConfig:
   num_draft: int = 0  # K drafts per verification (speculative only)
   sample: bool = False  # speculative only: rejection-sampling verification (temperature > 0) vs greedy
   draft_length: DraftLengthRule | None = None  # speculative only: K chosen per step among its sizes (max = K)
+  tree: DraftTree | None = None  # speculative only: verify a static draft tree (K = its depth), greedy
 
 
 @flax.struct.dataclass
@@ -158,11 +178,12 @@ class GenerationInputs:
 
 def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, drafter=None,
-            num_draft: int | None = None, draft_length: DraftLengthRule | str | None = None
-            ) -> tuple[GenerationConfig, GenerationParams, GenerationInputs]:
+            num_draft: int | None = None, draft_length: DraftLengthRule | str | None = None,
+            tree: DraftTree | str | None = None) -> tuple[GenerationConfig, GenerationParams, GenerationInputs]:
   """Validates and buckets a call on the host; returns its (static config, params, inputs). With a drafter,
   `num_draft` None means the drafter's default K. draft_length: None / "fixed" (K every step), "auto"
-  (DraftLengthRule over 0, 1, 3 and K with default costs) or a DraftLengthRule whose largest size is K."""
+  (DraftLengthRule over 0, 1, 3 and K with default costs) or a DraftLengthRule whose largest size is K. `tree`: a
+  `DraftTree` (its paths "0;1;0.0", or "FILE.json#N") to verify instead of a chain: greedy only, K = its depth."""
   cfg = model.cfg
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -172,8 +193,8 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, t
   graphdef, target_params = nnx.split(model)
   longest = max(map(len, prompts))
   if drafter is None:
-    if num_draft or draft_length not in (None, "fixed"):
-      raise ValueError("num_draft and draft_length apply to speculative decoding: give a drafter too")
+    if num_draft or draft_length not in (None, "fixed") or tree is not None:
+      raise ValueError("num_draft, draft_length and tree apply to speculative decoding: give a drafter too")
     t_bucket, max_len = sizes(cfg, longest, max_new_tokens)
     config, params = GenerationConfig(graphdef, max_len), GenerationParams(target_params)
   else:
@@ -183,11 +204,16 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, t
       raise ValueError(f"drafter vocabulary ({drafter.spec.vocab_size}) does not match the target's "
                        f"({cfg.vocab_size}): drafter and target must share one tokenizer")
     rule = resolve_draft_length(draft_length, drafter.spec, num_draft)
-    k = rule.max_size if rule is not None else resolve_num_draft(drafter.spec, num_draft)
+    tree = resolve_tree(tree, drafter.spec, temperature, num_draft, rule)
+    if tree is not None:
+      k = tree.depth
+    else:
+      k = rule.max_size if rule is not None else resolve_num_draft(drafter.spec, num_draft)
     t_bucket, max_len = sizes(cfg, longest, max_new_tokens, k)
     if rule is not None:
       rule = rule.at_context(max_len)  # the costs at this call's cache length
-    config = GenerationConfig(graphdef, max_len, drafter.spec, k, sample=temperature > 0, draft_length=rule)
+    config = GenerationConfig(graphdef, max_len, drafter.spec, k, sample=temperature > 0, draft_length=rule,
+                              tree=tree)
     params = GenerationParams(target_params, drafter.params)
   tokens, lens = pad_prompts(prompts, cfg.pad_token_id or 0, t_bucket)
   inputs = GenerationInputs(tokens=jnp.asarray(tokens), prompt_lens=jnp.asarray(lens),
@@ -441,21 +467,25 @@ def _step_rows(config: GenerationConfig, params: GenerationParams, inputs: Gener
   pending = jnp.take_along_axis(s.tokens, start_pos[:, None], axis=1)
   accept_key = jax.random.fold_in(accept_stream, s.step)
   dstate = s.drafter_state
-  if drafter is not None and (size > 0 or drafter.catch_up_in_propose):
-    ctx = ProposeContext(tokens=s.tokens, num_tokens=s.num_tokens, sampling=sp)
-    drafts, q, dstate = drafter.propose(params.drafter, dstate, ctx, jax.random.fold_in(draft_stream, s.step),
-                                        max(size, 1), config.sample)
-  if size == 0:
-    out = model(pending, cache=s.target_cache, mode="extend", taps=drafter.taps if drafter else (),
-                return_kv=True, write_cache=False)
-    n_acc, committed = jnp.zeros((b,), jnp.int32), sample_token(accept_key, out.logits[:, 0], sp)[:, None]
+  ctx = ProposeContext(tokens=s.tokens, num_tokens=s.num_tokens, sampling=sp)
+  if config.tree is not None:
+    n_acc, committed, out, dstate = _verify_tree(model, config.tree, drafter, params.drafter, dstate, ctx, pending,
+                                                 s.target_cache)
   else:
-    out = model(jnp.concatenate([pending, drafts], axis=1), cache=s.target_cache, mode="extend",
-                taps=drafter.taps, return_kv=True, write_cache=False)
-    if config.sample:
-      n_acc, committed = verify_sampling(accept_key, out.logits, drafts, q, sp)
+    if drafter is not None and (size > 0 or drafter.catch_up_in_propose):
+      drafts, q, dstate = drafter.propose(params.drafter, dstate, ctx, jax.random.fold_in(draft_stream, s.step),
+                                          max(size, 1), config.sample)
+    if size == 0:
+      out = model(pending, cache=s.target_cache, mode="extend", taps=drafter.taps if drafter else (),
+                  return_kv=True, write_cache=False)
+      n_acc, committed = jnp.zeros((b,), jnp.int32), sample_token(accept_key, out.logits[:, 0], sp)[:, None]
     else:
-      n_acc, committed = verify_greedy(out.logits, drafts)
+      out = model(jnp.concatenate([pending, drafts], axis=1), cache=s.target_cache, mode="extend",
+                  taps=drafter.taps, return_kv=True, write_cache=False)
+      if config.sample:
+        n_acc, committed = verify_sampling(accept_key, out.logits, drafts, q, sp)
+      else:
+        n_acc, committed = verify_greedy(out.logits, drafts)
   active = ~s.done
   n_commit, hit_eos = _truncate(committed, n_acc + 1, s.num_new, inputs.max_new, inputs.eos_id)
   n_commit = jnp.where(active, n_commit, 0)
@@ -482,6 +512,24 @@ def _step_rows(config: GenerationConfig, params: GenerationParams, inputs: Gener
                    done=s.done | (active & (hit_eos | (num_new >= inputs.max_new))), target_cache=None,
                    drafter_state=dstate, step=s.step + 1, active_steps=s.active_steps + active,
                    accept_hist=hist), n_acc, ((k_new, v_new, positions), verify)
+
+
+def tree_forward(model, tree: DraftTree, block, cache, taps: tuple):
+  """The target's pass over a tree's rows `block` = [pending, nodes] [B, N+1]: row i at the cache length plus its
+  depth, seeing the cache and its ancestors. The cache is only read (the caller writes the accepted rows)."""
+  return model(block, cache=cache, mode="extend", positions=cache.lengths[:, None] + jnp.asarray(tree.depths)[None],
+               taps=taps, return_kv=True, write_cache=False, tree_mask=tree.ancestor_mask())
+
+
+def _verify_tree(model, tree: DraftTree, drafter, drafter_params, dstate, ctx: ProposeContext, pending, cache):
+  """A tree step's draft and target pass: (accepted drafts [B], committed [B, D+1], the pass's output with its taps
+  and K/V rows gathered along the accepted path, drafter state). Past this point the path is a verified chain of
+  D = depth rows: the engine writes it into the cache and the drafter reads it as it would a chain's."""
+  node_tokens, dstate = drafter.propose_tree(drafter_params, dstate, ctx, tree)
+  out = tree_forward(model, tree, jnp.concatenate([pending, node_tokens], axis=1), cache, drafter.taps)
+  n_acc, committed, path = verify_tree_greedy(out.logits, node_tokens, tree)
+  out = out.replace(taps=gather_path(out.taps, path, 1), new_kv=tuple(gather_path(x, path, 2) for x in out.new_kv))
+  return n_acc, committed, out, dstate
 
 
 NO_STEP_LIMIT = np.iinfo(np.int32).max

@@ -26,16 +26,17 @@ class GenerationResult:
 
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
-             drafter=None, num_draft: int | None = None, draft_length=None) -> GenerationResult:
+             drafter=None, num_draft: int | None = None, draft_length=None, tree=None) -> GenerationResult:
   """Generates up to `max_new_tokens` per prompt (stops per sequence at EOS). Greedy when temperature == 0.
 
   With `drafter` (from `load_drafter`), runs speculative decoding (lossless) with K = `num_draft` drafts per
   step (None: the drafter's default) instead of plain autoregression. draft_length "auto" (or a
   `DraftLengthRule`) picks the drafts verified per step among a few sizes up to K, 0 (a decode step) included.
+  `tree` (a `DraftTree` or its text, e.g. "0;1;0.0;0.0.0"): greedy tree drafting (eagle3) instead of a chain.
   """
   t0 = time.perf_counter()
   config, params, inputs = engine.prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id,
-                                          drafter, num_draft, draft_length)
+                                          drafter, num_draft, draft_length, tree)
   state, prefill_s, decode_s = engine.run(config, params, inputs)
   tokens = engine.output_tokens(state, inputs)
   stats = {}

@@ -111,13 +111,14 @@ def dense_masked_attention(q, k, v, visible, *, scale: float | None = None, retu
 
 
 def extend_attention(q, k, v, k_cache, v_cache, positions, *, scale: float | None = None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, new_visible=None, cache_end=None):
   """T new rows against a static cache and, causally, each other. q [B, T, Hq, D] at positions [B, T]
   (increasing by one along T); the new rows' k/v [B, Tk, Hkv, D], Tk >= T: the last T belong to the queries,
   the first Tk - T are new rows just before them (a drafter's chain, kept out of the cache); k/v_cache
   [B, Hkv, S, D] (the `KVCache` layout), read before this pass writes its rows into it: cache row j is visible iff
   it precedes the first new row (rows at or past it are stale or the new rows themselves), new row t' to query t
-  iff t' <= t + Tk - T.
+  iff t' <= t + Tk - T. A draft tree gives its own `new_visible` [T, Tk] (new row t' to query t) and `cache_end` [B]
+  (cache rows before it are visible; default: the first new row's position).
 
   Reading the cache before the write keeps the write in place: when a product read the updated buffer, XLA:CPU
   copied the layer's whole cache several times per step (a 1-row decode at 8K took ~10x its bandwidth floor).
@@ -132,8 +133,12 @@ def extend_attention(q, k, v, k_cache, v_cache, positions, *, scale: float | Non
   sc_cache = jnp.einsum("nrd,nsd->nrs", qg, k_cache.reshape(b * kv_heads, s, d).astype(q.dtype),
                         preferred_element_type=jnp.float32)
   sc_new = jnp.einsum("nrd,nsd->nrs", qg, _kv_major(k).astype(q.dtype), preferred_element_type=jnp.float32)
-  cache_visible = jnp.arange(s)[None, :] < positions[:, :1] - (t_new - t)  # [B, S]
-  new_visible = jnp.repeat(jnp.tril(jnp.ones((t, t_new), bool), t_new - t), g, axis=0)  # [T*G, Tk]
+  if cache_end is None:
+    cache_end = positions[:, 0] - (t_new - t)
+  cache_visible = jnp.arange(s)[None, :] < cache_end[:, None]  # [B, S]
+  if new_visible is None:
+    new_visible = jnp.tril(jnp.ones((t, t_new), bool), t_new - t)
+  new_visible = jnp.repeat(jnp.asarray(new_visible), g, axis=0)  # [T*G, Tk]
   sc_cache = jnp.where(jnp.repeat(cache_visible, kv_heads, axis=0)[:, None, :], sc_cache * scale, NEG_INF)
   sc_new = jnp.where(new_visible[None], sc_new * scale, NEG_INF)
   # One exp per score: normalise the [rows, D] output rather than the [rows, S] probabilities.

@@ -183,8 +183,9 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x, positions, rope, cache: KVCache | None, layer: int, mode: str, attn_block: int,
-               sharpdraft=None):
-    """Writes this layer's new K/V rows into `cache` (prefill, extend); returns (x, cache, (k, v))."""
+               sharpdraft=None, tree_mask=None):
+    """Writes this layer's new K/V rows into `cache` (prefill, extend); returns (x, cache, (k, v)). `tree_mask`
+    (extend): which new rows each new row sees, [T, T], instead of the causal order."""
     q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
     if sharpdraft is not None:  # in every mode a query at position p sees keys 0..p, i.e. p + 1 of them
       q = sharpdraft.scale_queries(layer, q, positions + 1)
@@ -195,7 +196,7 @@ class DecoderLayer(nnx.Module):
       o = causal_attention(q, k, v, block=attn_block)
     else:
       # Attend over the cache as it was, then write: the write stays in place (see extend_attention).
-      o = extend_attention(q, k, v, cache.k[layer], cache.v[layer], positions)
+      o = extend_attention(q, k, v, cache.k[layer], cache.v[layer], positions, new_visible=tree_mask)
       cache = cache.write(layer, k, v, positions)
     x = x + self.self_attn.out(o)
     x = x + self.mlp(self.post_attention_layernorm(x))
@@ -255,7 +256,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, *, cache: KVCache | None = None, positions=None, mode: str = "train",
                taps: Sequence[int] = (), return_kv: bool = False, logits_at=None, return_logits: bool = True,
-               sharpdraft=None, write_cache: bool = True):
+               sharpdraft=None, write_cache: bool = True, tree_mask=None):
     """tokens [B, T]. `logits_at` [B, P] (indices into T) limits the LM head to those rows.
 
     `write_cache=False` (extend): attend over the cache and the new rows but leave the cache as it was; the caller
@@ -263,13 +264,18 @@ class Transformer(nnx.Module):
     cache made XLA copy every layer's whole cache on every step).
 
     `sharpdraft` (a `longspec_jax.sharpdraft.SharpDraft`, for a standalone drafter) scales every query after q-norm
-    and RoPE by its `scale_queries`; None leaves the attention untouched."""
+    and RoPE by its `scale_queries`; None leaves the attention untouched.
+
+    `tree_mask` [T, T] bool (extend, a draft tree's verification): new row t sees new row t' iff mask[t, t'];
+    `positions` then give each row its depth past the cache."""
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "train" and cache is None:
       raise ValueError(f"mode {mode!r} needs a KV cache")
     if not write_cache and not (mode == "extend" and return_kv):
       raise ValueError("write_cache=False is for mode='extend' with return_kv=True (the caller writes the rows)")
+    if tree_mask is not None and (mode != "extend" or write_cache):
+      raise ValueError("tree_mask is for mode='extend' with write_cache=False (the caller writes the accepted rows)")
     cfg = self.cfg
     b, t = tokens.shape
     if positions is None:
@@ -291,7 +297,7 @@ class Transformer(nnx.Module):
         fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, li, "train", self.attn_block, sharpdraft)[0])
         x = fn(layer, x, positions)
       else:
-        x, written, (k, v) = layer(x, positions, rope, cache, li, mode, self.attn_block, sharpdraft)
+        x, written, (k, v) = layer(x, positions, rope, cache, li, mode, self.attn_block, sharpdraft, tree_mask)
         cache = written if write_cache else cache
         if return_kv:
           new_k.append(k)

@@ -79,7 +79,8 @@ if [[ $DRY_RUN == 1 ]]; then
               --set "methods=[ar, prompt-lookup, 'prompt-lookup:draft_length=auto', 'eagle3:draft_length=auto']")
 else
   # Sized from the first H200 run (results/device_check/h200_20261204): kernels ~1.5 min, the 4K pass costs ~1.2 min,
-  # the 4K suite 3.3 min, the 16K suite ~2.5 min (four methods), the 16K pass costs 1.5 min.
+  # the 4K suite 3.3 min (before its EAGLE-3 tree, ~0.5 min more), the 16K suite ~2.5 min (four methods), the 16K
+  # pass costs 1.5 min.
   KERNEL_ARGS=(--sizes 4096,16384,65536 --head-dims 64,128 --iters 10)
   VERIFY_ARGS=(--model smollm2-135m --contexts 4096 --rows 1,9,16)
   VERIFY_LONG_ARGS=(--model smollm2-135m --rope-scaling yarn:2 --contexts 16000 --rows 1,9,16)

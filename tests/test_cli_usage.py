@@ -72,6 +72,11 @@ def test_newcomer_defects_exit_2_at_once():
       (["bench", "--method", "prompt-lookup", "--text-file", str(doc), "--context", "8", "--sharpdraft", "fixed"],
        "has none"),
       (["bench", "--method", "nope", "--text-file", str(doc), "--context", "8"], "invalid choice: 'nope'"),
+      (["generate", "--prompt", "x", "--method", "eagle3", "--tree", "0;1.1"], "has no parent path (1,)"),
+      (["generate", "--prompt", "x", "--method", "eagle3", "--tree", "0", "--temperature", "1"],
+       "--tree verifies greedily"),
+      (["bench", "--method", "eagle3", "--text-file", str(doc), "--context", "8", "--tree", "t.json#8"],
+       "tree file t.json not found"),
   ]
   for args, msg in cases:
     t0 = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from pathlib import Path
 
@@ -43,10 +44,15 @@ class MethodSpec:
   drafter_dir: str | None
   options: tuple[tuple[str, object], ...]  # keyword options of load_drafter (the registry entry's)
   draft_length: str = "fixed"  # fixed | auto | a rule JSON (engine.prepare's draft_length)
+  tree: str | None = None  # a draft tree: its paths ("0;1;0.0") or FILE.json#N (engine.prepare's tree); None: chain
 
   @property
   def slug(self) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", self.text.replace(":", "__").replace("=", "-"))
+    """The label as a file name; a long one (a tree's paths) is cut and keeps a hash of the whole label."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", self.text.replace(":", "__").replace("=", "-"))
+    if len(slug) > 96:
+      slug = slug[:80] + "-" + hashlib.sha256(self.text.encode()).hexdigest()[:12]
+    return slug
 
 
 def method_options(name: str) -> tuple[str, ...]:
@@ -60,7 +66,8 @@ def method_options(name: str) -> tuple[str, ...]:
 
 def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
   """`NAME[:key=value[,key=value...]]`, values read as YAML scalars. `num_draft=K` sets K for this method,
-  `drafter=DIR` its checkpoint, `draft_length=auto` (or a rule JSON) its drafts per step; the other keys are the
+  `drafter=DIR` its checkpoint, `draft_length=auto` (or a rule JSON) its drafts per step, `tree=0;1;0.0` (or
+  `tree=FILE.json#N`) a draft tree (greedy tree verification; eagle3) instead of a chain; the other keys are the
   method's own options (e.g. `dflash:sharpdraft=fixed`, `budget:budget=256`). The llama.cpp peers
   (`llama.cpp-ar`, `llama.cpp-lookup`, its n-gram length from num_draft) run beside ours on the same prompts."""
   from longspec_jax.drafters import method_names
@@ -80,10 +87,10 @@ def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
       raise ValueError(f"method {text!r}: option {key!r} given twice")
     if name == "ar" or (name in PEER_METHODS and key != "num_draft"):
       raise ValueError(f"method {text!r}: {name} takes no drafter options")
-    if key not in ("num_draft", "drafter", "draft_length", *own):
+    if key not in ("num_draft", "drafter", "draft_length", "tree", *own):
       raise ValueError(f"method {text!r}: unknown option {key!r}; options: "
-                       f"{', '.join(('num_draft', 'drafter', 'draft_length', *own))}")
-    given[key] = yaml.safe_load(raw)
+                       f"{', '.join(('num_draft', 'drafter', 'draft_length', 'tree', *own))}")
+    given[key] = raw if key == "tree" else yaml.safe_load(raw)
   num_draft = given.pop("num_draft", default_num_draft)
   if num_draft is not None and (not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1):
     raise ValueError(f"method {text!r}: num_draft must be an integer >= 1, got {num_draft!r}")
@@ -91,9 +98,16 @@ def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
   draft_length = str(given.pop("draft_length", "fixed"))
   if draft_length not in ("fixed", "auto") and not Path(draft_length).is_file():
     raise ValueError(f"method {text!r}: draft_length must be fixed, auto or a rule JSON file, got {draft_length!r}")
+  tree = given.pop("tree", None)
+  if tree is not None:
+    from longspec_jax.draft_tree import load_tree
+    try:
+      load_tree(tree)
+    except (ValueError, FileNotFoundError) as e:
+      raise ValueError(f"method {text!r}: {e}") from None
   return MethodSpec(text=text.strip(), name=name, num_draft=None if name in ("ar", "llama.cpp-ar") else num_draft,
                     drafter_dir=None if drafter_dir is None else str(drafter_dir),
-                    options=tuple(sorted(given.items())), draft_length=draft_length)
+                    options=tuple(sorted(given.items())), draft_length=draft_length, tree=tree)
 
 
 def _check(ok: bool, msg: str) -> None:

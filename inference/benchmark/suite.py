@@ -88,7 +88,7 @@ def load_methods(methods: list[MethodSpec], model, cfg: SuiteConfig, log) -> tup
         continue
       d = load_drafter(m.name, model, m.drafter_dir, **dict(m.options))
       config, _, _ = engine.prepare(model, longest, cfg.new_tokens, drafter=d, num_draft=m.num_draft,
-                                    draft_length=read_draft_length(m.draft_length))
+                                    draft_length=read_draft_length(m.draft_length), tree=m.tree)
       ready[m.text] = Method(m, d, config)
     except (ValueError, FileNotFoundError) as e:
       failed[m.text] = f"{type(e).__name__}: {e}"
@@ -125,8 +125,10 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
                + (f"+{cfg.dtype}" if cfg.dtype != "float32" else ""))
 
   def fp(m: Method, ctx: int, temp: float, p: dict) -> str:
+    # A tree named by its file (FILE.json#N) is fingerprinted by its paths, so an edited file reruns its cells.
+    tree = (str(m.config.tree),) if m.config is not None and m.config.tree is not None else ()
     return provenance.fingerprint(target_id, m.spec.text, m.num_draft, checkpoints[m.spec.text], ctx, temp,
-                                  p["doc_sha256"], p["end_token"], cfg.new_tokens, cfg.seed, cfg.repeats)
+                                  p["doc_sha256"], p["end_token"], cfg.new_tokens, cfg.seed, cfg.repeats, *tree)
 
   done = {(r["method"], r["context"], r["temperature"], r["prompt"]): r for r in load_records(out)}
   todo = []

@@ -205,6 +205,43 @@ class Eagle3Drafter:
         h = out[:, 0]
     return jnp.stack(drafts, 1), (jnp.stack(probs, 1) if sample else None), state
 
+  def propose_tree(self, params, state, ctx, tree):
+    """Greedy drafts for every node of a `DraftTree` ([B, N], node order), depth by depth: a parent's top-k
+    candidates become its children, and each node with children runs the layer on (its token, its parent's output
+    hidden) at position row + depth, attending to the cache and its own ancestors. Returns (node tokens, state)."""
+    net = self._net(params)
+    row = ctx.num_tokens - 2  # the row whose output is state.hidden (the root's)
+    parents, depths, ranks = tree.parents.tolist(), tree.depths[1:].tolist(), tree.ranks.tolist()
+    has_children = set(parents)
+    hidden = {0: state.hidden}  # node -> output hidden [B, H], for the nodes with children
+    tokens = [None] * tree.num_nodes
+    ran, kv = [], None  # nodes whose rows ran (ancestors of later rows) and their (k, v) [B, len(ran), Hkv, D]
+    ids = self.draft_ids(params)
+    for d in range(1, tree.depth + 1):
+      level = [n for n in range(1, tree.num_nodes + 1) if depths[n - 1] == d]
+      heads = sorted({parents[n - 1] for n in level})
+      logits = net.logits(jnp.stack([hidden[p] for p in heads], axis=1))  # [B, P, Vd]
+      top = jax.lax.top_k(logits, max(ranks[n - 1] for n in level) + 1)[1]
+      for n in level:
+        tokens[n - 1] = ids[top[:, heads.index(parents[n - 1]), ranks[n - 1]]].astype(jnp.int32)
+      rows = [n for n in level if n in has_children]
+      if not rows:
+        continue
+      embeds = self._embed(params, jnp.stack([tokens[n - 1] for n in rows], axis=1))
+      feature = jnp.stack([hidden[parents[n - 1]] for n in rows], axis=1)
+      positions = jnp.broadcast_to((row + d)[:, None], embeds.shape[:2])
+      residual, q, k, v = _layer_qkv(net, embeds, feature, positions, self.sharpdraft)
+      if kv is not None:
+        k, v = jnp.concatenate([kv[0], k], axis=1), jnp.concatenate([kv[1], v], axis=1)
+      kv, ran = (k, v), ran + rows
+      mask = tree.ancestor_mask()[np.ix_(rows, ran)]
+      o = extend_attention(q, k, v, state.cache.k[0], state.cache.v[0], positions, new_visible=mask,
+                           cache_end=row + 1)
+      out = net.midlayer.out(residual, o)
+      for j, n in enumerate(rows):
+        hidden[n] = out[:, j]
+    return jnp.stack(tokens, axis=1), state
+
   def update(self, params, state, verify):
     net = self._net(params)
     k1 = verify.committed.shape[1]
