@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from longspec_jax import sharding as shd
-from longspec_jax.distributed import agree, host_values, is_main_process
+from longspec_jax.distributed import agree, barrier, host_values, is_main_process
 from longspec_jax.training.losses import DISTILL_KINDS
 
 
@@ -162,7 +162,9 @@ class Checkpointer:
 
 def init_train_state(params: nnx.State, optimizer, mesh, rules=shd.DATA_PARALLEL_RULES) -> TrainState:
   p_shard = shd.param_shardings(params, mesh, rules)
-  # From host values: every process holds the same initial parameters, and a mesh may span processes.
+  # From host values: every process holds the same initial parameters, and a mesh may span processes. The put is a
+  # cross-process collective: every process reaches it together.
+  barrier("init_train_state")
   params = jax.device_put(jax.tree.map(np.asarray, params), p_shard)
   opt_state = jax.jit(optimizer.init)(params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
