@@ -32,18 +32,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                              shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS)
 
 
-def barrier(name: str, timeout_s: int = SHUTDOWN_TIMEOUT_SECONDS) -> None:
-  """Waits until every process reaches `name`, through the coordination service rather than a device collective:
-  a gloo collective that one process reaches long after the other (a loaded 2-core host) failed with "Connection
-  closed by peer". No-op in a single process."""
-  import jax
-  from jax._src import distributed as jax_distributed
-  client = jax_distributed.global_state.client
-  if client is None or jax.process_count() == 1:
-    return
-  client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
-
-
 def is_main_process() -> bool:
   """Process 0 writes logs, exports and reports; every process computes."""
   import jax

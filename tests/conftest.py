@@ -1,16 +1,37 @@
 import gc
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 # Tests run on the host CPU; keep XLA from grabbing every core thread-pool wise for many tiny programs.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The CLI turns JAX's persistent compilation cache on by default; in-process CLI tests must not fill the user's
-# cache (tests/test_cli.py checks the cache itself in subprocesses with their own directory).
-os.environ.setdefault("LONGSPEC_COMPILE_CACHE", "off")
+# Compiling dominates this suite on 2 cores, and the tests' programs are tiny: skip LLVM's expensive optimisation
+# passes (about a quarter off the wall time). Subprocesses inherit it; tests that set XLA_FLAGS for a subprocess
+# append to it.
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
+                                                 "--xla_llvm_disable_expensive_passes=true"]))
+# One persistent compilation cache per test run, shared by the xdist workers and every subprocess (the CLI reads
+# it from $LONGSPEC_COMPILE_CACHE): many tests compile the same programs, and each module drops its in-memory
+# caches (below). Never the user's cache; removed when the run ends. tests/test_cli.py checks the cache itself with
+# its own directory.
+RUN_ID = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()  # xdist workers: the controller
+COMPILE_CACHE = Path(tempfile.gettempdir()) / f"longspec-tests-jax-cache-{RUN_ID}"
+os.environ["LONGSPEC_COMPILE_CACHE"] = str(COMPILE_CACHE)
+
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_sessionfinish(session):
+  if not hasattr(session.config, "workerinput"):  # the controller, after every worker has finished
+    shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -432,7 +432,8 @@ def test_train_eagle3_sharded_resumes_exactly_and_exports(train_env, tmp_path):
               model=dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64),
               ttt_steps=3, batch_size=8, steps=8, optim=dict(lr=0.02, warmup_steps=2), val_fraction=0.2,
               val_windows=8, compute_dtype="float32", attn_block=16, log_every=1, checkpoint_every_minutes=100.0)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"]
+             + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   p = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, json.dumps(base), str(tmp_path)],
                      cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
   assert p.returncode == 0, p.stderr[-3000:]

@@ -28,6 +28,14 @@ jax.monitoring.register_event_duration_secs_listener(
     else None)
 
 
+@pytest.fixture
+def no_persistent_cache():
+  """XLA compilations are counted below; the suite's persistent cache would answer a program another test compiled."""
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", True)
+
+
 def _call_counting(fn, *args):
   """(result, jit cache entries added, XLA compilations) of one call."""
   entries, compiles = fn._cache_size(), len(XLA_COMPILES)
@@ -57,7 +65,7 @@ def _prompts(lengths, seed):
   return [(rng.integers(3, V, max(2, n // 3)).tolist() * 4)[:n] for n in lengths]
 
 
-def test_user_jit_twice_one_compile_ar(target):
+def test_user_jit_twice_one_compile_ar(target, no_persistent_cache):
   gen = jax.jit(generate_arrays, static_argnums=0, compiler_options=COMPILER_OPTIONS)
   kw = dict(max_new_tokens=12, eos_id=-1)
   calls = [(_prompts([7, 20], 0), dict()), (_prompts([30, 3], 1), dict(temperature=0.8, top_p=0.9, seed=5))]
@@ -71,7 +79,7 @@ def test_user_jit_twice_one_compile_ar(target):
   assert counts == [(1, 1), (0, 0)]  # the second call (new prompts, seed and sampling values) did not compile
 
 
-def test_user_jit_twice_one_compile_speculative(target, drafter):
+def test_user_jit_twice_one_compile_speculative(target, drafter, no_persistent_cache):
   gen = jax.jit(generate_arrays, static_argnums=0, compiler_options=COMPILER_OPTIONS)
   kw = dict(max_new_tokens=16, eos_id=-1, drafter=drafter, num_draft=3)
   counts = []
@@ -141,7 +149,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sharded_8_host_devices_equal_unsharded():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"]
+             + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   r = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]

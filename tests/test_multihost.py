@@ -50,7 +50,8 @@ def _train(drafter: str, config: Path, out: Path, processes: int, *extra: str) -
   """Runs `longspec train-drafter` as `processes` processes (one CPU device each) or, for 1, one process with two
   CPU devices. Returns each process's output."""
   devices = 2 if processes == 1 else 1
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ["XLA_FLAGS"]
+             + f" --xla_force_host_platform_device_count={devices}")
   cmd = ["train-drafter", "--drafter", drafter, "--config", str(config), "--set", f"out_dir={out}", *extra]
   if processes == 1:
     launches = [[]]
@@ -68,8 +69,10 @@ def _train(drafter: str, config: Path, out: Path, processes: int, *extra: str) -
       for q in procs:
         q.kill()
       raise
-  for p, o in zip(procs, outs):
-    assert p.returncode == 0, o[-3000:]
+  # On a failure show every process: the one that fails first often reports only that its peer went away.
+  report = "\n".join(f"--- process {i} exited {p.returncode}:\n{o[-3000:]}"
+                     for i, (p, o) in enumerate(zip(procs, outs)))
+  assert all(p.returncode == 0 for p in procs), report
   return outs
 
 
@@ -169,7 +172,8 @@ def test_two_process_generate_equals_single_process():
   from longspec_jax.model import create_model
   from tests.test_functional import _cfg, _prompts
 
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ["XLA_FLAGS"]
+             + " --xla_force_host_platform_device_count=1")
   coordinator = f"localhost:{_free_port()}"
   procs = [subprocess.Popen([sys.executable, "-c", MULTI_PROCESS_GENERATE, coordinator, str(i)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(cfg: dict, tmp_path: Path) -> dict:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"]
+             + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   root = Path(__file__).resolve().parents[1]
   p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cfg)], cwd=root, env=env, capture_output=True,
                      text=True, timeout=600)
@@ -70,3 +71,29 @@ def test_sharded_training_resumes_exactly(tiny_data, tmp_path):
   resumed = _run(_cfg(tiny_data, tmp_path / "b"), tmp_path)
   assert resumed["step"] == 6
   assert resumed["first"] == straight["first"] and resumed["sum"] == straight["sum"]
+
+
+def test_run_files_are_replaced_whole_while_another_process_reads_them(tmp_path):
+  """Process 0 rewrites train_config.json on a resume while the others read it: a reader must see the old file or
+  the new one, never a truncated one (a plain write_text let a two-process resume read '' and die)."""
+  import threading
+  from longspec_jax.training.data import write_json_atomic
+  path = tmp_path / "train_config.json"
+  record = {"steps": 6, "lr": 0.02, "names": ["x" * 64] * 256}
+  write_json_atomic(path, record)
+  stop, bad = threading.Event(), []
+
+  def read():
+    while not stop.is_set():
+      try:
+        assert json.loads(path.read_text()) == record
+      except (ValueError, AssertionError) as e:
+        bad.append(e)
+
+  reader = threading.Thread(target=read)
+  reader.start()
+  for _ in range(300):
+    write_json_atomic(path, record)
+  stop.set()
+  reader.join()
+  assert bad == [] and not list(tmp_path.glob("*.tmp"))

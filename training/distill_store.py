@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from longspec_jax.training.data import write_json_atomic
+
 STORE_VERSION = 1
 INDEX = "index.json"
 FEATURE_DTYPES = ("bf16", "fp8")
@@ -194,12 +196,6 @@ def _settings(cfg: DistillStoreConfig, weights_id: str, stream_tokens: int) -> d
   return s
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(obj, indent=1))
-  os.replace(tmp, path)
-
-
 def _write_shard(out: Path, name: str, windows: list[dict]) -> dict:
   """Concatenates the windows' rows into `out/name/*.npy` (written under a temporary name, then renamed)."""
   tmp = out / f".{name}.partial"
@@ -278,20 +274,21 @@ def build_distill_store(cfg: DistillStoreConfig, show_progress: bool = True) -> 
       pending, pending_tokens = [], 0
       index.update(stored_tokens=stored, num_windows=len(windows),
                    bytes=sum(f.stat().st_size for f in out.glob("shard_*/*.npy")))
-      _write_json_atomic(out / INDEX, index)  # after the shard is in place: the index never names a missing one
+      # after the shard is in place: the index never names a missing one
+      write_json_atomic(out / INDEX, index, indent=1)
   if pending:  # max_tokens reached inside a shard
     index["shards"].append(_write_shard(out, f"shard_{len(index['shards']):05d}", pending))
     stored += pending_tokens
     index.update(stored_tokens=stored, num_windows=len(windows),
                  bytes=sum(f.stat().st_size for f in out.glob("shard_*/*.npy")))
-    _write_json_atomic(out / INDEX, index)
+    write_json_atomic(out / INDEX, index, indent=1)
   bar.close()
   secs = time.perf_counter() - t0
   index.setdefault("runs", []).append({"seconds": round(secs, 1), "tokens": stored - stored_before,
                                         "tokens_per_s": round((stored - stored_before) / max(secs, 1e-9), 1),
                                         "tokens_after": stored,
                                         "generated_tokens": generated_tokens})
-  _write_json_atomic(out / INDEX, index)
+  write_json_atomic(out / INDEX, index, indent=1)
   return out
 
 

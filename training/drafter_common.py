@@ -16,6 +16,7 @@ from flax import nnx
 from longspec_jax.config import ModelConfig
 from longspec_jax.distributed import is_main_process
 from longspec_jax.model import param_count
+from longspec_jax.training.data import write_json_atomic
 from longspec_jax.training.drafter_data import load_drafter_data, weights_sha256
 from longspec_jax.training.losses import cross_entropy, topk_distillation
 
@@ -298,8 +299,8 @@ def kept_store_split(out_dir, store, split, resume: bool, input_scale_fn=None):
   scale = input_scale_fn(train_w) if input_scale_fn else None
   if is_main_process():
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"held_out_windows": [store.windows[i][1]["window"] for i in val_w],
-                                "input_scale": None if scale is None else scale.tolist()}))
+    write_json_atomic(path, {"held_out_windows": [store.windows[i][1]["window"] for i in val_w],
+                             "input_scale": None if scale is None else scale.tolist()})  # the others may read it
   return train_w, val_w, scale
 
 

@@ -26,7 +26,8 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from longspec_jax import sharding as shd
-from longspec_jax.distributed import agree, barrier, host_values, is_main_process
+from longspec_jax.distributed import agree, host_values, is_main_process
+from longspec_jax.training.data import write_json_atomic
 from longspec_jax.training.losses import DISTILL_KINDS
 
 
@@ -162,9 +163,7 @@ class Checkpointer:
 
 def init_train_state(params: nnx.State, optimizer, mesh, rules=shd.DATA_PARALLEL_RULES) -> TrainState:
   p_shard = shd.param_shardings(params, mesh, rules)
-  # From host values: every process holds the same initial parameters, and a mesh may span processes. The put is a
-  # cross-process collective: every process reaches it together.
-  barrier("init_train_state")
+  # From host values: every process holds the same initial parameters, and a mesh may span processes.
   params = jax.device_put(jax.tree.map(np.asarray, params), p_shard)
   opt_state = jax.jit(optimizer.init)(params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
@@ -289,7 +288,8 @@ def start_run(cfg, params, *, resume: bool, total_steps: int | None = None,
       raise ValueError(f"{out} holds a checkpoint of a run with other settings ({', '.join(changed)}): rerun with "
                        "the same config, or start over with --no-resume or another out_dir")
   if is_main_process():
-    (out / "train_config.json").write_text(json.dumps(record, indent=2))
+    # atomically: on a resume the other processes may be reading the previous copy right now
+    write_json_atomic(out / "train_config.json", record)
   mesh = shd.make_mesh(cfg.mesh_data or None)
   for size in batch_sizes or (cfg.batch_size,):
     if size % mesh.shape["data"]:
