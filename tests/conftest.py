@@ -23,10 +23,10 @@ os.environ["LONGSPEC_COMPILE_CACHE"] = str(COMPILE_CACHE)
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from longspec_jax.compile_cache import enable_compile_cache  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
-jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+enable_compile_cache(str(COMPILE_CACHE))
 
 
 def pytest_sessionfinish(session):

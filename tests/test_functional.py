@@ -31,9 +31,10 @@ jax.monitoring.register_event_duration_secs_listener(
 @pytest.fixture
 def no_persistent_cache():
   """XLA compilations are counted below; the suite's persistent cache would answer a program another test compiled."""
+  enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   yield
-  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def _call_counting(fn, *args):
