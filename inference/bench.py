@@ -8,7 +8,7 @@ import statistics
 
 import jax
 
-from longspec_jax.drafters import load_drafter
+from longspec_jax.drafters import given_options, load_drafter
 from longspec_jax.drafters.base import state_nbytes
 from longspec_jax.inference import engine
 from longspec_jax.inference.benchmark.measure import Timer, step_costs
@@ -66,12 +66,7 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
          "draft_length": spec_call[0].draft_length.to_json() if spec_call and spec_call[0].draft_length else "fixed",
          "ar_tokens_per_s": ar_tps, "ar_prefill_ms": 1000 * ar_prefill,
          "ar_decode_ms": 1000 * ar_decode, "ar_tokens": ar.tokens[0]}
-  if budget is not None:
-    out["budget"] = budget
-  if learned is not None:
-    out["learned"] = learned
-  if draft_vocab is not None:
-    out["draft_vocab"] = draft_vocab
+  out.update(given_options(budget=budget, learned=learned, draft_vocab=draft_vocab))
   if spec_call and spec_call[0].tree is not None:
     out["tree"] = str(spec_call[0].tree)
   if drafter is None:
@@ -93,7 +88,8 @@ def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int,
                verify_ms_per_step=verify_ms, drafter_state_bytes=state_bytes,
                # What a verify pass costs in AR steps (same process): speedup ~ tau / (this + draft/AR step).
                verify_over_decode=verify_ms * ar_tps / 1000 if ar_tps else None,
-               **{k: res.stats[k] for k in ("draft_sizes", "size_share", "rows_per_step", "class_rates") if k in res.stats},
+               **{k: res.stats[k] for k in ("draft_sizes", "size_share", "rows_per_step", "class_rates")
+                  if k in res.stats},
                exact_match_ar=(res.tokens == ar.tokens) if temperature == 0 else None)
   out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return out

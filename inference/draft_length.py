@@ -146,6 +146,21 @@ def read_draft_length(value: str) -> "str | DraftLengthRule":
   return DraftLengthRule.from_json(obj.get("rule", obj))
 
 
+def check_rule_target(value: str, target: str, dtype: str) -> None:
+  """Refuses a rule JSON calibrated for another target or target dtype (its step costs and acceptance rates are
+  that target's): `target` is the run's target as calibrate-draft-length records it (a name, or a directory)."""
+  if value in ("fixed", "auto"):
+    return
+  measured = json.loads(Path(value).read_text()).get("measured") or {}  # a bare rule records nothing: not checked
+  rule_target, rule_dtype = measured.get("model"), measured.get("dtype")
+  if (rule_target is not None and Path(str(rule_target)).name != Path(target).name) or (
+      rule_dtype is not None and rule_dtype != dtype):
+    recorded = rule_dtype or "dtype not recorded"
+    raise ValueError(f"draft-length rule {value} was calibrated for target {rule_target} ({recorded}), not this "
+                     f"run's {target} ({dtype}): its costs and acceptance rates do not hold "
+                     f"here; calibrate one with `longspec calibrate-draft-length --model {target} --dtype {dtype}`")
+
+
 def default_sizes(num_draft: int) -> tuple[int, ...]:
   """0, 1, 3 and K (those below K), and 7, 15, ... up to K / 2: with a long K (prompt lookup at K = 15 accepts
   ~10 drafts after a long match and ~2 after a short one) the sizes stay about a factor 2 apart."""

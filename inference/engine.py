@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax.draft_tree import DraftTree, gather_path, load_tree, verify_tree_greedy
+from longspec_jax.drafters.registry import MAX_NUM_DRAFT
 from longspec_jax.drafters.base import (LoadedDrafter, PrefillResult, ProposeContext, VerifyResult, default_num_draft,
                                        max_draft_tokens)
 from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, initial_rates,
@@ -94,8 +95,9 @@ def pad_prompts(prompts: list[list[int]], pad_id: int, length: int) -> tuple[np.
 def resolve_num_draft(spec, num_draft: int | None) -> int:
   """K for a drafter: its default when None; checked against its limit (block drafters) on the host."""
   k = default_num_draft(spec) if num_draft is None else int(num_draft)
-  if k < 1:
-    raise ValueError(f"num_draft must be >= 1 for speculative decoding, got {k}")
+  if not 1 <= k <= MAX_NUM_DRAFT:
+    raise ValueError(f"num_draft must be in 1..{MAX_NUM_DRAFT} for speculative decoding, got {k} (a verify pass "
+                     f"checks K + 1 rows: past a few dozen it costs many decode steps and is never accepted whole)")
   limit = max_draft_tokens(spec)
   if limit is not None and k > limit:
     raise ValueError(f"drafter {spec.name!r} proposes at most {limit} tokens per step (its block), got "
@@ -467,25 +469,23 @@ def _step_rows(config: GenerationConfig, params: GenerationParams, inputs: Gener
   pending = jnp.take_along_axis(s.tokens, start_pos[:, None], axis=1)
   accept_key = jax.random.fold_in(accept_stream, s.step)
   dstate = s.drafter_state
-  ctx = ProposeContext(tokens=s.tokens, num_tokens=s.num_tokens, sampling=sp)
+  taps = drafter.taps if drafter is not None else ()
+  if drafter is not None and (size > 0 or drafter.catch_up_in_propose):
+    drafts, q, dstate = draft(config, params, inputs, s, size, jax.random.fold_in(draft_stream, s.step))
   if config.tree is not None:
-    n_acc, committed, out, dstate = _verify_tree(model, config.tree, drafter, params.drafter, dstate, ctx, pending,
-                                                 s.target_cache)
+    out = verify_pass(model, s.target_cache, jnp.concatenate([pending, drafts], axis=1), taps=taps, tree=config.tree)
+    n_acc, committed, path = verify_tree_greedy(out.logits, drafts, config.tree)
+    # Past this point the accepted path is a verified chain of depth rows: written and read as a chain's.
+    out = out.replace(taps=gather_path(out.taps, path, 1), new_kv=tuple(gather_path(x, path, 2) for x in out.new_kv))
+  elif size == 0:
+    out = verify_pass(model, s.target_cache, pending, taps=taps)
+    n_acc, committed = jnp.zeros((b,), jnp.int32), sample_token(accept_key, out.logits[:, 0], sp)[:, None]
   else:
-    if drafter is not None and (size > 0 or drafter.catch_up_in_propose):
-      drafts, q, dstate = drafter.propose(params.drafter, dstate, ctx, jax.random.fold_in(draft_stream, s.step),
-                                          max(size, 1), config.sample)
-    if size == 0:
-      out = model(pending, cache=s.target_cache, mode="extend", taps=drafter.taps if drafter else (),
-                  return_kv=True, write_cache=False)
-      n_acc, committed = jnp.zeros((b,), jnp.int32), sample_token(accept_key, out.logits[:, 0], sp)[:, None]
+    out = verify_pass(model, s.target_cache, jnp.concatenate([pending, drafts], axis=1), taps=taps)
+    if config.sample:
+      n_acc, committed = verify_sampling(accept_key, out.logits, drafts, q, sp)
     else:
-      out = model(jnp.concatenate([pending, drafts], axis=1), cache=s.target_cache, mode="extend",
-                  taps=drafter.taps, return_kv=True, write_cache=False)
-      if config.sample:
-        n_acc, committed = verify_sampling(accept_key, out.logits, drafts, q, sp)
-      else:
-        n_acc, committed = verify_greedy(out.logits, drafts)
+      n_acc, committed = verify_greedy(out.logits, drafts)
   active = ~s.done
   n_commit, hit_eos = _truncate(committed, n_acc + 1, s.num_new, inputs.max_new, inputs.eos_id)
   n_commit = jnp.where(active, n_commit, 0)
@@ -514,22 +514,28 @@ def _step_rows(config: GenerationConfig, params: GenerationParams, inputs: Gener
                    accept_hist=hist), n_acc, ((k_new, v_new, positions), verify)
 
 
-def tree_forward(model, tree: DraftTree, block, cache, taps: tuple):
-  """The target's pass over a tree's rows `block` = [pending, nodes] [B, N+1]: row i at the cache length plus its
-  depth, seeing the cache and its ancestors. The cache is only read (the caller writes the accepted rows)."""
+# --- a step's two halves (the benchmark times each alone) ------------------------------------------------------
+
+def draft(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
+          size: int, key) -> tuple[jax.Array, jax.Array | None, object]:
+  """The draft half of a step: the drafter's proposal from `state`, (drafts [B, size], their probabilities q or
+  None, the drafter state after proposing); with `config.tree`, the tree's node tokens [B, N] (greedy, q None). A
+  size of 0 still runs the proposal for drafters that catch up on committed tokens there (one token, unused)."""
+  ctx = ProposeContext(tokens=state.tokens, num_tokens=state.num_tokens, sampling=inputs.sampling)
+  if config.tree is not None:
+    nodes, drafter_state = config.drafter.propose_tree(params.drafter, state.drafter_state, ctx, config.tree)
+    return nodes, None, drafter_state
+  return config.drafter.propose(params.drafter, state.drafter_state, ctx, key, max(size, 1), config.sample)
+
+
+def verify_pass(model, cache: KVCache, block, *, taps: tuple = (), tree: DraftTree | None = None):
+  """The verify half: the target's one pass over `block` = [pending, drafts] [B, R] on `cache`, which it only reads
+  (the step writes the verified rows after): logits, the drafter's taps and the rows' K/V. With `tree`, block holds
+  a tree's rows, row i at the cache length plus its depth, seeing the cache and its ancestors."""
+  if tree is None:
+    return model(block, cache=cache, mode="extend", taps=taps, return_kv=True, write_cache=False)
   return model(block, cache=cache, mode="extend", positions=cache.lengths[:, None] + jnp.asarray(tree.depths)[None],
                taps=taps, return_kv=True, write_cache=False, tree_mask=tree.ancestor_mask())
-
-
-def _verify_tree(model, tree: DraftTree, drafter, drafter_params, dstate, ctx: ProposeContext, pending, cache):
-  """A tree step's draft and target pass: (accepted drafts [B], committed [B, D+1], the pass's output with its taps
-  and K/V rows gathered along the accepted path, drafter state). Past this point the path is a verified chain of
-  D = depth rows: the engine writes it into the cache and the drafter reads it as it would a chain's."""
-  node_tokens, dstate = drafter.propose_tree(drafter_params, dstate, ctx, tree)
-  out = tree_forward(model, tree, jnp.concatenate([pending, node_tokens], axis=1), cache, drafter.taps)
-  n_acc, committed, path = verify_tree_greedy(out.logits, node_tokens, tree)
-  out = out.replace(taps=gather_path(out.taps, path, 1), new_kv=tuple(gather_path(x, path, 2) for x in out.new_kv))
-  return n_acc, committed, out, dstate
 
 
 NO_STEP_LIMIT = np.iinfo(np.int32).max

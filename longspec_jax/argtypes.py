@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 
-def _int(text: str) -> int:
+def int_arg(text: str) -> int:
   try:
     return int(text)
   except ValueError:
@@ -23,7 +23,7 @@ def _float(text: str) -> float:
   return v
 
 
-def _checked(parse, ok, requirement: str):
+def checked(parse, ok, requirement: str):
   """An argparse type: `parse(text)`, refused with "must be <requirement>" unless `ok(value)`."""
   def convert(text: str):
     v = parse(text)
@@ -35,15 +35,15 @@ def _checked(parse, ok, requirement: str):
 
 
 # Token counts, sizes, batch, repeats.
-positive_int = _checked(_int, lambda v: v >= 1, "a positive integer")
+positive_int = checked(int_arg, lambda v: v >= 1, "a positive integer")
 # Seeds; top-k, where 0 means off.
-nonneg_int = _checked(_int, lambda v: v >= 0, "an integer >= 0")
+nonneg_int = checked(int_arg, lambda v: v >= 0, "an integer >= 0")
 # Temperature, where 0 means greedy.
-nonneg_float = _checked(_float, lambda v: v >= 0, ">= 0")
+nonneg_float = checked(_float, lambda v: v >= 0, ">= 0")
 # Top-p.
-unit_float = _checked(_float, lambda v: 0 < v <= 1, "in (0, 1]")
+unit_float = checked(_float, lambda v: 0 < v <= 1, "in (0, 1]")
 # A share.
-fraction = _checked(_float, lambda v: 0 <= v <= 1, "in [0, 1]")
+fraction = checked(_float, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -59,6 +59,14 @@ def ascending_lengths(text: str) -> list[int]:
   return values
 
 
+class Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose usage errors are one line naming the problem (not the whole usage block), exit code 2.
+  Subcommand parsers are of the same class (argparse makes them with the parent's type)."""
+
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
   """Descriptions and epilogs kept as written; a flag's help ends with its default when it has a meaningful one."""
 
@@ -71,6 +79,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     return h
 
 
-def add_command(subparsers, name: str, summary: str, description: str):
-  """A subcommand whose --help shows `description` as written and every flag's default."""
-  return subparsers.add_parser(name, help=summary, description=description, formatter_class=HelpFormatter)
+def add_command(subparsers, name: str, summary: str, description: str, epilog: str | None = None):
+  """A subcommand whose --help shows `description` (and `epilog`) as written and every flag's default."""
+  return subparsers.add_parser(name, help=summary, description=description, epilog=epilog,
+                               formatter_class=HelpFormatter)

@@ -29,8 +29,16 @@ def enable_compile_cache(flag: str | None = None) -> Path | None:
   path = compile_cache_dir(flag)
   if path is None:
     return None
+  source = "--compile-cache" if flag is not None else f"${ENV_VAR}" if os.environ.get(ENV_VAR) else "the cache"
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"compiled-program cache {path} (from {source}) is a file, not a directory: give a directory, "
+                     "or 'off'")
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"compiled-program cache {path} (from {source}) cannot be made: {(e.strerror or str(e)).lower()}"
+                     "; give another directory, or 'off'") from None
   import jax
-  path.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -32,7 +32,7 @@ import numpy as np
 from longspec_jax.hf_io import weights_sha256
 from longspec_jax.pallas_kernels.length_masked_attention.reference import sharpdraft_rho
 
-from longspec_jax.sharpdraft_names import ALPHA_RULES, CHOICES, GRANULARITIES, RULES, SHARPDRAFT_FILE  # noqa: F401
+from longspec_jax.sharpdraft_names import ALPHA_RULES, CHOICES, GRANULARITIES, RULES, SHARPDRAFT_FILE
 FORMAT_VERSION = 1
 OUTLIER_FALSE_RATE = 0.05  # expected background keys per query wrongly counted as relevant
 

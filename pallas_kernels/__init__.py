@@ -8,8 +8,8 @@ from longspec_jax import check_namespaced
 
 check_namespaced(__name__)
 
-from longspec_jax.pallas_kernels._common import BlockSizes, check_lowering, num_selected_chunks
-from longspec_jax.pallas_kernels.length_masked_attention import (
+from longspec_jax.pallas_kernels._common import BlockSizes, check_lowering, num_selected_chunks  # noqa: E402
+from longspec_jax.pallas_kernels.length_masked_attention import (  # noqa: E402  (after the namespace check)
     chunk_positions,
     merge_attention_views,
     length_masked_attention,
@@ -17,7 +17,7 @@ from longspec_jax.pallas_kernels.length_masked_attention import (
     select_chunks,
     sharpdraft_rho,
 )
-from longspec_jax.pallas_kernels.sparse_kv_gather import (
+from longspec_jax.pallas_kernels.sparse_kv_gather import (  # noqa: E402
     gather_kv_chunks,
     reference_gather_kv_chunks,
     reference_sparse_chunk_attention,

@@ -1,6 +1,6 @@
 """Combine per-document `longspec eval-target --json` results into one table (token-weighted bucket means).
 
-  python scripts/combine_eval.py results/smollm2/eval_per_doc/*_yarn.json --out results/smollm2/eval_target_yarn2.json
+  python scripts/combine_eval.py runs/eval_per_doc/*_yarn.json --out runs/eval_target_yarn2.json
 """
 
 from __future__ import annotations

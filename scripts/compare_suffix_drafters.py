@@ -13,8 +13,10 @@ Drafters compared (K drafts per step):
   defaults (a draft at most as long as the match, tokens of estimated probability >= 0.1), at most K tokens;
   `arctic-factor4`: the same with drafts up to 4x the match length and no probability floor.
 
-  python scripts/compare_suffix_drafters.py --suite results/bench_suite/smollm2_draft_classes \\
-      --out results/bench_suite/smollm2_draft_classes/suffix_drafters.json
+  python scripts/compare_suffix_drafters.py --suite results/bench_suite/smollm2_fixed_k --out runs/suffix_drafters.json
+
+(The table in docs/benchmarks.md was made on the suite `smollm2_draft_classes`, removed from the tree: restore it
+with `git checkout 4496eef -- results/bench_suite/smollm2_draft_classes`, see results/README.md.)
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def suffix_match(max_match: int):
   def propose(ctx, k):
     seq = np.asarray(ctx)
     n = len(seq)
-    best_len, best_end = 0, -1
+    best_end = -1
     ends = np.arange(n - 1)  # candidate end positions strictly before the last token
     alive = np.ones(n - 1, bool)
     for m in range(1, min(max_match, n - 1) + 1):
@@ -77,7 +79,7 @@ def suffix_match(max_match: int):
       alive &= ok & (seq[np.clip(ends - (m - 1), 0, None)] == seq[n - m])
       if not alive.any():
         break
-      best_len, best_end = m, int(ends[alive].max())
+      best_end = int(ends[alive].max())
     if best_end < 0:
       return []
     return seq[best_end + 1:best_end + 1 + k].tolist()

@@ -26,9 +26,11 @@ jax.block_until_ready(measure.draft_program(cfg, params, inputs, s0))
 jax.block_until_ready(exe(params, inputs, s0))
 jit_t, aot_t = [], []
 for _ in range(31):  # interleaved, so load drift hits both alike
-  t0 = time.perf_counter(); jax.block_until_ready(measure.draft_program(cfg, params, inputs, s0))
+  t0 = time.perf_counter()
+  jax.block_until_ready(measure.draft_program(cfg, params, inputs, s0))
   jit_t.append(time.perf_counter() - t0)
-  t0 = time.perf_counter(); jax.block_until_ready(exe(params, inputs, s0))
+  t0 = time.perf_counter()
+  jax.block_until_ready(exe(params, inputs, s0))
   aot_t.append(time.perf_counter() - t0)
 j, a = 1000 * statistics.median(jit_t), 1000 * statistics.median(aot_t)
 print(f"{method} K={K} at 1K: draft pass as a jit call {j:.2f} ms, as the compiled executable {a:.2f} ms "

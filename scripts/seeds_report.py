@@ -60,7 +60,7 @@ def recovery(plain_ref, plain_far, sharp_far) -> dict | None:
   if len(common) < 2:
     return None
   x = np.asarray([[col[i] for col in cols] for i in common])
-  stat = lambda v: (v[..., 2].mean(-1) - v[..., 1].mean(-1)) / (v[..., 0].mean(-1) - v[..., 1].mean(-1))  # noqa: E731
+  stat = lambda v: (v[..., 2].mean(-1) - v[..., 1].mean(-1)) / (v[..., 0].mean(-1) - v[..., 1].mean(-1))
   return {"drop": float(x[:, 0].mean() - x[:, 1].mean()), "recovered": float(x[:, 2].mean() - x[:, 1].mean()),
           "share": float(stat(x)), "share_ci": list(bootstrap_ci(x, N_BOOT, CI, stat=stat)), "prompts": len(common)}
 

@@ -11,7 +11,8 @@ import yaml
 
 from longspec_jax.inference.benchmark.config import SuiteConfig, load_config, parse_method
 from longspec_jax.inference.benchmark.prompts import prompt_ids, select_cuts, spread_ends
-from longspec_jax.inference.benchmark.provenance import cpu_snapshot, drafter_checkpoint, load_target, other_cpu_s
+from longspec_jax.inference.benchmark.provenance import (cpu_snapshot, drafter_checkpoint, other_cpu_s,
+                                                         target_with_provenance)
 from longspec_jax.inference.benchmark.statistics import bootstrap_ci, cell_summary, paired_difference, ratio_of_rates
 from longspec_jax.inference.benchmark.suite import run_suite
 from longspec_jax.inference.cli import main
@@ -117,7 +118,7 @@ def test_shared_prefill_matches_generate(env, tmp_path):
   res = run_suite(cfg, tmp_path / "out", progress=False)
   recs = [json.loads(ln) for p in sorted((tmp_path / "out" / "cells").glob("dflash*t0.jsonl"))
           for ln in p.read_text().splitlines()]
-  model, tok, _ = load_target(str(d / "target"))
+  model, tok, _ = target_with_provenance(str(d / "target"))
   ids = [tok.encode(open(p).read()).ids for p in docs]
   cut = res["prompts"][0]
   prompt = prompt_ids(ids[[p.endswith(cut["doc"]) for p in docs].index(True)], cut["end_token"], 64, 0)
@@ -137,7 +138,7 @@ def test_step_halves_are_timed_through_executables_compiled_once(env):
   from longspec_jax.inference import engine
   from longspec_jax.inference.benchmark import measure
   d, docs = env
-  model, tok, _ = load_target(str(d / "target"))
+  model, tok, _ = target_with_provenance(str(d / "target"))
   prompt = tok.encode(open(docs[0]).read()).ids[:48]
   config, params, inputs = engine.prepare(model, [prompt], 8, drafter=load_drafter("dflash", model, d / "dflash"),
                                           num_draft=3)
@@ -245,7 +246,7 @@ def test_drafter_diagnostics_are_recorded(env, tmp_path):
   cell; the three view masses of every layer sum to 1."""
   from longspec_jax.drafters.longspark import create_longspark, longspark_config_for, save_longspark_dir
   d, _ = env
-  model, _, _ = load_target(str(d / "target"))
+  model, _, _ = target_with_provenance(str(d / "target"))
   save_longspark_dir(create_longspark(longspark_config_for(model.cfg, num_layers=2, raw_window=16), seed=3),
                      tmp_path / "ls")
   # No num_draft anywhere: the drafter's default K, here LongSpark's block of 7 (a fixed 8 would be refused).

@@ -11,7 +11,7 @@ from longspec_jax.inference.generate import generate
 from longspec_jax.attention import dense_masked_attention
 from longspec_jax.drafters.base import PrefillResult, state_nbytes
 from longspec_jax.drafters.budget import CHUNK, budget_from_model, select_budget_chunks
-from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.drafters.pard import standalone_from_model
 from longspec_jax.model import create_model
 from tests import test_speculative as ts
 from tests.test_speculative import _cfg, _prompts, peaky_target  # noqa: F401  (fixture)
@@ -50,7 +50,7 @@ LONG_PREFIX = np.random.default_rng(5).integers(3, V, 45).tolist()
 
 
 @pytest.mark.parametrize("keep_recent", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_sampling_matches_target_distribution_with_budget(peaky_target, small_drafter, monkeypatch,  # noqa: F811
+def test_sampling_matches_target_distribution_with_budget(peaky_target, small_drafter, monkeypatch,
                                                           keep_recent):
   monkeypatch.setattr(ts, "PREFIX", LONG_PREFIX)  # 45 tokens: the 16-token budget drops most of the prompt
   sp = ts.SamplingParams.make(1.0, 0, 1.0)

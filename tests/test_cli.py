@@ -241,3 +241,189 @@ def test_bench_peer_skips_a_drafter_of_another_vocabulary(model_dir, tmp_path):
                "--new-tokens", "6", "--model", str(model_dir), "--drafter", str(SHIPPED_DRAFTERS_DIR / "pard"),
                "--repeats", "1", "--peer", "transformers", "--json", str(out)]) == 0
   assert set(json.loads(out.read_text())["peer_tokens_per_s"]) == {"transformers-ar", "transformers-prompt-lookup"}
+
+
+# --- The first five minutes (issue 57, item 8): what a newcomer met, each now one clear line or a fair figure -------
+
+def _cli(*args, env=None, timeout=120):
+  import os
+  import subprocess
+  import sys
+  return subprocess.run([sys.executable, "-m", "longspec_jax.inference.cli", *args], capture_output=True, text=True,
+                        timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_compare_ar_times_method_and_ar_alike(model_dir, monkeypatch, capsys):
+  """The text streams from a warm-up run; then the method and AR are timed alternately, neither streamed (the
+  method used to be timed on its first, streaming run and AR on quiet ones)."""
+  from longspec_jax.inference import engine
+  calls, real_run = [], engine.run
+
+  def recording_run(config, params, inputs, on_steps=None, **kw):
+    calls.append(("ar" if config.drafter is None else "method", on_steps is not None))
+    return real_run(config, params, inputs, on_steps=on_steps, **kw)
+
+  monkeypatch.setattr(engine, "run", recording_run)
+  args = ["generate", "--model", str(model_dir), "--prompt", TEXT[:300], "--max-new-tokens", "12", "--method",
+          "prompt-lookup", "--num-draft", "4"]
+  assert main([*args, "--compare-ar", "--repeats", "2"]) == 0
+  assert calls == [("method", True), ("ar", False), ("method", False), ("ar", False), ("method", False),
+                   ("ar", False)]
+  calls.clear()
+  assert main(args) == 0  # alone: the streamed run is the one timed
+  assert calls == [("method", True)]
+  assert capsys.readouterr().out.count("function") == 24  # 12 tokens streamed by each call
+
+
+@pytest.mark.parametrize("stage", ["compiling", "generating"])
+def test_ctrl_c_ends_with_one_line_and_130(model_dir, tmp_path, stage):
+  import signal
+  import subprocess
+  import sys
+  out = tmp_path / "g.json"
+  proc = subprocess.Popen([sys.executable, "-m", "longspec_jax.inference.cli", "generate", "--model", str(model_dir),
+                           "--prompt", TEXT[:200], "--max-new-tokens", "3500", "--method", "prompt-lookup",
+                           "--compare-ar", "--repeats", "5", "--compile-cache", "off", "--json", str(out)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  seen = []
+  for line in proc.stderr:  # progress lines: interrupt once the stage has begun
+    seen.append(line)
+    if stage in line:
+      break
+  proc.send_signal(signal.SIGINT)
+  _, rest = proc.communicate(timeout=120)
+  err = "".join(seen) + rest
+  assert proc.returncode == 130, err
+  assert err.rstrip().splitlines()[-1] == "longspec generate: interrupted", err
+  assert "Traceback" not in err and not out.exists()
+
+
+def test_bench_suite_ctrl_c_ends_with_130(model_dir, tmp_path):
+  """The suite used to swallow an interrupt now and then and run on to rc 0."""
+  import signal
+  import subprocess
+  import sys
+  config = tmp_path / "suite.yaml"
+  config.write_text(f"model: {model_dir}\nmethods: [prompt-lookup]\ncontexts: [64]\nnum_prompts: 8\nmin_docs: 1\n"
+                    f"docs: [{model_dir.parent / 'text.txt'}]\ncut_min_tokens: 64\nnew_tokens: 2000\nbootstrap: 100\n")
+  proc = subprocess.Popen([sys.executable, "-m", "longspec_jax.inference.cli", "bench-suite", "--config",
+                           str(config), "--out", str(tmp_path / "out")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  import time
+  deadline = time.time() + 90
+  while not (tmp_path / "out").exists() and time.time() < deadline and proc.poll() is None:
+    time.sleep(0.2)
+  time.sleep(2)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-2000:]
+  assert err.rstrip().splitlines()[-1] == "longspec bench-suite: interrupted" and "Traceback" not in err
+
+
+def test_output_files_are_checked_before_any_work(model_dir, tmp_path, capsys):
+  (tmp_path / "a_dir").mkdir()
+  (tmp_path / "a_file").write_text("")
+  for path, message in ((tmp_path / "a_dir", "is a directory, not a file"),
+                        (tmp_path / "a_file" / "out.json",
+                         f"cannot be written: {tmp_path / 'a_file'} is a file, not a folder")):
+    for cmd in (["generate", "--prompt", "def f"],
+                ["bench", "--method", "ar", "--text-file", str(model_dir.parent / "text.txt"), "--context", "32"],
+                ["eval-target", "--text-file", str(model_dir.parent / "text.txt")]):
+      assert main([cmd[0], "--model", str(model_dir), *cmd[1:], "--json", str(path)]) == 2
+      err = capsys.readouterr().err
+      assert f"--json {path} {message}" in err and "loading the target" not in err, err
+
+
+def test_compile_cache_that_is_a_file(model_dir, tmp_path, capsys, monkeypatch):
+  blocker = tmp_path / "cache_file"
+  blocker.write_text("")
+  assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--compile-cache", str(blocker)]) == 2
+  err = capsys.readouterr().err
+  assert f"compiled-program cache {blocker} (from --compile-cache) is a file, not a directory" in err
+  monkeypatch.setenv("LONGSPEC_COMPILE_CACHE", str(blocker))
+  assert main(["generate", "--model", str(model_dir), "--prompt", "x"]) == 2
+  assert "(from $LONGSPEC_COMPILE_CACHE) is a file" in capsys.readouterr().err
+
+
+def test_num_draft_is_bounded(model_dir, capsys):
+  r = _cli("generate", "--model", str(model_dir), "--prompt", "x", "--method", "prompt-lookup", "--num-draft", "1000")
+  assert r.returncode == 2 and "--num-draft: must be in 1..64, got 1000" in r.stderr
+  from longspec_jax import generate, load_drafter
+  from longspec_jax.hf_io import load_model_dir
+  model = load_model_dir(model_dir)
+  with pytest.raises(ValueError, match=r"num_draft must be in 1\.\.64"):
+    generate(model, [[3, 4, 5]], max_new_tokens=4, drafter=load_drafter("prompt-lookup", model), num_draft=65)
+
+
+def test_draft_length_rule_of_another_target_or_dtype(model_dir, tmp_path, capsys):
+  rule = tmp_path / "rule.json"
+  base = ["generate", "--model", str(model_dir), "--prompt", "def f", "--method", "prompt-lookup", "--draft-length",
+          str(rule)]
+  rule.write_text(json.dumps({"rule": {}, "measured": {"model": "smollm2-135m", "dtype": "float32"}}))
+  assert main(base) == 2
+  err = capsys.readouterr().err
+  assert f"draft-length rule {rule} was calibrated for target smollm2-135m (float32), not this run's" in err
+  assert "calibrate-draft-length" in err
+  rule.write_text(json.dumps({"rule": {}, "measured": {"model": str(model_dir), "dtype": "int8-weights"}}))
+  assert main(base) == 2
+  assert "(int8-weights), not this run's" in capsys.readouterr().err
+
+
+def test_seed_is_refused_under_greedy(model_dir, capsys):
+  assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--seed", "3"]) == 2
+  assert "--seed seeds sampling; with --temperature 0 (greedy) it would be ignored" in capsys.readouterr().err
+  assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--seed", "3", "--temperature", "0.7",
+               "--max-new-tokens", "2", "--quiet"]) == 0
+
+
+def test_another_methods_checkpoint_is_named():
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, load_drafter
+  with pytest.raises(ValueError, match=r"is a DFlashDraftModel checkpoint \(method dflash, dflash-budget\), not one "
+                                       r"for method eagle3 \(LlamaForCausalLMEagle3\)"):
+    load_drafter("eagle3", None, SHIPPED_DRAFTERS_DIR / "dflash")
+  with pytest.raises(ValueError, match="is a LlamaForCausalLMEagle3 checkpoint .* not one for method dflash"):
+    load_drafter("hybrid", None, SHIPPED_DRAFTERS_DIR / "eagle3", learned="dflash")
+
+
+def test_prompt_cut_is_said(model_dir, capsys):
+  assert main(["generate", "--model", str(model_dir), "--prompt", TEXT[:200], "--max-prompt-tokens", "5",
+               "--max-new-tokens", "2"]) == 0
+  err = capsys.readouterr().err
+  assert "prompt cut by --max-prompt-tokens: its first 5 of " in err and "tokens kept" in err
+
+
+def test_export_hf_refuses_a_non_empty_directory(model_dir, tmp_path, capsys):
+  out = tmp_path / "exp"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  assert main(["export-hf", "--model", str(model_dir), "--out", str(out)]) == 2
+  assert f"--out {out} exists and is not an empty directory" in capsys.readouterr().err
+  assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_flag_errors_are_one_line():
+  for args, msg in ((["generate", "--bogus"], "unrecognized arguments: --bogus"),
+                    (["generate", "--prompt", "x", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+                    (["bench", "--method", "ar"], "the following arguments are required")):
+    r = _cli(*args, timeout=60)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_no_torch_advice_on_a_machine_without_torch(model_dir):
+  """transformers (imported for its tokenizer class) advises installing torch; nothing here needs it. Simulated:
+  torch hidden from transformers' package check."""
+  import subprocess
+  import sys
+  code = ("import importlib.util, sys; real = importlib.util.find_spec; "
+          "importlib.util.find_spec = lambda n, *a, **k: None if n == 'torch' else real(n, *a, **k); "
+          "from longspec_jax.inference.cli import main; "
+          f"sys.exit(main(['generate', '--model', {str(model_dir)!r}, '--prompt', 'x', '--max-new-tokens', '2']))")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert "PyTorch" not in r.stderr, r.stderr
+
+
+def test_int8_weights_help_states_the_measured_gain():
+  r = _cli("generate", "--help", timeout=60)
+  assert "several times faster" not in r.stdout and "~24% faster" in " ".join(r.stdout.split())

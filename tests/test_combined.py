@@ -66,7 +66,7 @@ def _combined(t, dels=True, weights=(0.5, 0.5), seed=0):
 # With and without the head, each at one batch size (the other pairings add compile time, not coverage: the head
 # and the ensemble handle each row alike).
 @pytest.mark.parametrize("batch,lengths,dels", [(1, [70], True), (2, [45, 13], False)])
-def test_greedy_combined_equals_ar(target, dels, batch, lengths):  # noqa: F811
+def test_greedy_combined_equals_ar(target, dels, batch, lengths):
   d = _combined(target, dels)
   ls, df = d.spec.base.parts if dels else d.spec.parts
   assert ls.taps == (2,) and df.taps == (1, 2)  # each part gets its own slice of the union
@@ -77,7 +77,7 @@ def test_greedy_combined_equals_ar(target, dels, batch, lengths):  # noqa: F811
     assert generate(target, prompts, max_new_tokens=40, eos_id=-1, drafter=d, num_draft=k).tokens == ar.tokens
 
 
-def test_block_logits_are_the_weighted_sum_of_the_parts(target):  # noqa: F811
+def test_block_logits_are_the_weighted_sum_of_the_parts(target):
   ls, df = _parts(target)
   both = ensemble([ls, df], (0.25, 0.75))
   state, ctx = _state_and_ctx(target, both.spec, both.params, 60)
@@ -90,14 +90,14 @@ def test_block_logits_are_the_weighted_sum_of_the_parts(target):  # noqa: F811
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6), state[0], alone)
 
 
-def test_combined_sampling_matches_target_distribution(peaky_target):  # noqa: F811
+def test_combined_sampling_matches_target_distribution(peaky_target):
   d = _combined(peaky_target, dels=True, seed=2)
   marg = _exact_marginals(peaky_target, SamplingParams.make(1.0))
   pvals = _chi2_pvalues(_sample(peaky_target, d, 1.0, 0, 1.0, seed=29), marg)
   assert min(pvals) > 0.01 / N_POS, f"chi-square p-values {pvals}"
 
 
-def test_state_does_not_grow_with_the_context(target):  # noqa: F811
+def test_state_does_not_grow_with_the_context(target):
   d = _combined(target)
   sizes = {state_nbytes(_state_and_ctx(target, d.spec, d.params, n)[0]) for n in (30, 90)}
   assert len(sizes) == 1, sizes
@@ -114,7 +114,7 @@ def _save(target, tmp_path):
   return tmp_path / "combined"
 
 
-def test_loader_parts_budget_and_bad_input(target, tmp_path):  # noqa: F811
+def test_loader_parts_budget_and_bad_input(target, tmp_path):
   path = _save(target, tmp_path)
   d = load_drafter("combined", target, drafter_dir=path, budget=24)
   assert isinstance(d.spec, DeLSDrafter) and isinstance(d.spec.base, BlockEnsembleDrafter)

@@ -18,8 +18,8 @@ from longspec_jax.drafters.dels import (DeLSConfig, combine, decode_block, dels_
 from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, dflash_from_model, save_dflash_dir
 from longspec_jax.drafters.frozen_target import target_io
 from longspec_jax.sampling import SamplingParams, processed_log_probs
-from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample, peaky_target,
-                                    target)  # noqa: F401  (fixtures)
+from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample,
+                                    peaky_target, target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
 from longspec_jax.training.train_dels import DeLSTrainConfig, init_head_params, merge_head
 from longspec_jax.training.train_dflash import dflash_train_logits
@@ -158,7 +158,7 @@ def test_training_forward_matches_inference(target, gru_start):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0),
                                                     pytest.param(0.8, 20, 0.9, marks=pytest.mark.slow)])
-def test_dels_sampling_matches_target_distribution(peaky_target, temperature, top_k, top_p):  # noqa: F811
+def test_dels_sampling_matches_target_distribution(peaky_target, temperature, top_k, top_p):
   d = _dels(peaky_target, _cfg(1.0, 0.5), seed=2, dflash_seed=2)
   marg = _exact_marginals(peaky_target, SamplingParams.make(temperature, top_k, top_p))
   samples = _sample(peaky_target, d, temperature, top_k, top_p, seed=17)
@@ -253,7 +253,7 @@ def test_checkpoint_round_trip_and_bad_input(target, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_dels_tunes_exports_and_resumes(env, tmp_path):  # noqa: F811
+def test_train_dels_tunes_exports_and_resumes(env, tmp_path):
   """Trainer on tiny target-generated data over a frozen DFlash: the loss falls, a stopped + resumed run ends
   bit-identical, alpha/beta land in the config, and the export is lossless through the engine."""
   from longspec_jax.hf_io import load_model_dir
@@ -383,7 +383,7 @@ def test_greedy_budget_dels_equals_ar(target, batch, lengths):
 
 
 @pytest.mark.parametrize("make,seed", [(_longspark_dels, 19), (_budget_dels, 23)])
-def test_sampling_over_other_bases_matches_target_distribution(peaky_target, make, seed):  # noqa: F811
+def test_sampling_over_other_bases_matches_target_distribution(peaky_target, make, seed):
   """The head over LongSpark and over BudgetDraft's sparse DFlash view."""
   d = make(peaky_target, _cfg(1.0, 0.5), seed=2)
   marg = _exact_marginals(peaky_target, SamplingParams.make(1.0))

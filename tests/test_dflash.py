@@ -104,7 +104,7 @@ def test_state_shape_constant_and_update_appends_context(target, dflash):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 20, 0.9)])
-def test_dflash_sampling_matches_target_distribution(peaky_target, temperature, top_k, top_p):  # noqa: F811
+def test_dflash_sampling_matches_target_distribution(peaky_target, temperature, top_k, top_p):
   d = dflash_from_model(_dflash(peaky_target, seed=2), peaky_target)
   marg = _exact_marginals(peaky_target, SamplingParams.make(temperature, top_k, top_p))
   samples = _sample(peaky_target, d, temperature, top_k, top_p, seed=13)
@@ -194,7 +194,7 @@ def test_bad_checkpoints_and_targets(target, tmp_path):
     generate(target, [[3, 4, 5]], max_new_tokens=4, drafter=d, num_draft=5)
 
 
-def test_train_dflash_exports_and_resumes_exactly(env, tmp_path):  # noqa: F811
+def test_train_dflash_exports_and_resumes_exactly(env, tmp_path):
   """Trainer on tiny target-generated data: the loss falls, a stopped + resumed run ends bit-identical, and the
   export loads as a drafter that is lossless against its target."""
   from longspec_jax.hf_io import load_model_dir

@@ -155,7 +155,7 @@ def test_read_rows_windows_and_a_stable_split(setup):
   small = DistillStore(build_distill_store(_cfg(setup, "split", max_tokens=800), show_progress=False))
   _, val_small = ds.split_windows(small, 0, 0.3)
   _, val_big = ds.split_windows(store, 0, 0.3)
-  ids = lambda s, v: {s.windows[i][1]["window"] for i in v}  # noqa: E731
+  ids = lambda s, v: {s.windows[i][1]["window"] for i in v}
   assert ids(small, val_small) <= ids(store, val_big)
   with pytest.raises(ValueError, match="leaves no training"):
     ds.split_windows(small, 0, 1.0)
@@ -421,7 +421,7 @@ def test_dels_trains_from_the_store_over_store_dflash_and_longspark(setup, tmp_p
       common, out_dir=str(tmp_path / "ls"), num_layers=1, block_size=3, raw_window=16, num_global_slots=4,
       markov_rank=0, draft_vocab_size=32, anchors_per_window=4, tail_rows=16, anywhere_fraction=0.8, steps=2,
       compute_dtype="float32")))
-  cfg = lambda out, **kw: from_dict(DeLSTrainConfig, dict(  # noqa: E731
+  cfg = lambda out, **kw: from_dict(DeLSTrainConfig, dict(
       common, out_dir=str(tmp_path / out), embed_dim=8, gru_hidden_dim=16, low_rank_dim=4, context_len=48,
       anchors_per_window=5, val_anchors=6, steps=4, alpha_grid=(0.0, 0.5), beta_grid=(0.0, 0.1), **kw))
   assert str(train_dels(cfg("b", base=str(dflash), stop_after_steps=2))).endswith("checkpoints")

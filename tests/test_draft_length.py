@@ -12,7 +12,7 @@ import pytest
 
 from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
-from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.drafters.pard import standalone_from_model
 from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, next_probe_wait,
                                                  step_counts, update_rates)
 from longspec_jax.inference.generate import generate

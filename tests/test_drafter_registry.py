@@ -19,7 +19,7 @@ def test_records_read_from_source_are_the_modules_own():
 
 def test_listing_methods_imports_no_jax():
   code = ("import sys; from longspec_jax.drafters import method_names; "
-          "from longspec_jax.training.cli_drafter import TRAINABLE; method_names(); "
+          "from longspec_jax.inference.cli.train import TRAINABLE; method_names(); "
           "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'numpy')]")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   assert r.returncode == 0, r.stderr

@@ -27,7 +27,7 @@ def _target(tmp):
   return load_model_dir(tmp / "target")
 
 
-def test_cached_features_equal_the_target_forward(env, tmp_path):  # noqa: F811
+def test_cached_features_equal_the_target_forward(env, tmp_path):
   tmp, data_cfg = env
   data = _copy_data(data_cfg, tmp_path / "data")
   target = _target(tmp)
@@ -56,7 +56,7 @@ def test_cached_features_equal_the_target_forward(env, tmp_path):  # noqa: F811
   np.testing.assert_array_equal(k[0, 2:], cache.kv[cache.off[3]:cache.off[3] + 3, 1, 0])
 
 
-def test_killed_build_resumes_to_the_same_bytes_and_stale_caches_are_refused(env, tmp_path, monkeypatch):  # noqa: F811
+def test_killed_build_resumes_to_the_same_bytes_and_stale_caches_are_refused(env, tmp_path, monkeypatch):
   tmp, data_cfg = env
   target = _target(tmp)
   sha = weights_sha256(tmp / "target")
@@ -100,7 +100,7 @@ def test_killed_build_resumes_to_the_same_bytes_and_stale_caches_are_refused(env
 
 
 def test_cache_taps_spec():
-  from longspec_jax.training.cli_drafter import cache_tap_indices
+  from longspec_jax.training.feature_cache import cache_tap_indices
   cfg = types.SimpleNamespace(num_hidden_layers=30)
   assert cache_tap_indices("dflash,eagle3", cfg) == (2, 9, 15, 21, 27, 28)
   assert cache_tap_indices("4,2,4", cfg) == (2, 4)
@@ -108,7 +108,7 @@ def test_cache_taps_spec():
     cache_tap_indices("dflsh", cfg)
 
 
-def test_dflash_and_eagle3_train_from_the_cache(env, tmp_path):  # noqa: F811
+def test_dflash_and_eagle3_train_from_the_cache(env, tmp_path):
   """A batch's cached taps equal the target's taps of the same windows, and both trainers run from the cache
   (features=require) and export drafters lossless against the target; EAGLE-3 with a 64-token draft vocab."""
   from longspec_jax.drafters.dflash import load_dflash
@@ -174,7 +174,7 @@ def test_draft_vocabulary_is_the_most_frequent_tokens():
   assert t2d[5] == 0 and t2d[9] == 1 and (np.delete(t2d, [5, 9]) == -1).all()
 
 
-def test_dflash_tap_scale_folds_into_fc(env):  # noqa: F811
+def test_dflash_tap_scale_folds_into_fc(env):
   """normalize_taps trains on taps * scale; folding the scale into fc gives the same logits from raw taps, so the
   exported drafter (public layout) reads the target's taps unchanged."""
   from longspec_jax.drafters.dflash import create_dflash, dflash_config_for

@@ -16,7 +16,7 @@ import pytest
 from longspec_jax.inference.engine import GenerationOutput, generate_arrays, output_stats, output_tokens, prepare
 from longspec_jax.inference.generate import generate
 from longspec_jax.config import ModelConfig, RopeConfig
-from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.drafters.pard import standalone_from_model
 from longspec_jax.kv_cache import COMPILER_OPTIONS
 from longspec_jax.model import create_model
 
@@ -117,7 +117,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
   from longspec_jax.inference.functional import place_generation
   from longspec_jax.inference.generate import generate
   from longspec_jax import sharding as shd
-  from longspec_jax.drafters.standalone import standalone_from_model
+  from longspec_jax.drafters.pard import standalone_from_model
   from longspec_jax.model import create_model
   from tests.test_functional import _cfg, _prompts
 

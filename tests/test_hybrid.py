@@ -10,7 +10,7 @@ from longspec_jax.drafters import load_drafter
 from longspec_jax.drafters.base import LoadedDrafter, ProposeContext
 from longspec_jax.drafters.hybrid import HybridDrafter
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
-from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.drafters.pard import standalone_from_model
 from longspec_jax.inference.generate import generate
 from longspec_jax.model import create_model
 from longspec_jax.sampling import SamplingParams

@@ -84,3 +84,65 @@ def test_no_import_cycles():
   graph = {name: _imports(name, path, modules) for name, path in modules.items()}
   assert sum(map(len, graph.values())) > 50, "the scan found too few imports to be reading the code"
   assert _cycles(graph) == []
+
+
+# The floors, lowest first (issue 57): a module imports only from its own floor or below. The first pattern a module
+# name matches (exactly, or as a package prefix ending in ".") gives its floor; the rest is the core.
+FLOORS = (
+    ("core", ()),  # config, model, KV cache, attention, RoPE, checkpoint and tokenizer IO, sampling, verification
+    ("kernels", ("longspec_jax.pallas_kernels.",)),
+    ("drafters", ("longspec_jax.drafters.", "longspec_jax.sharpdraft", "longspec_jax.draft_tree")),
+    ("engine", ("longspec_jax.inference", "longspec_jax.inference.engine", "longspec_jax.inference.generate",
+                "longspec_jax.inference.functional", "longspec_jax.inference.draft_length")),
+    ("training and benchmarks", ("longspec_jax.training.", "longspec_jax.inference.")),
+    ("cli", ("longspec_jax.inference.cli.",)),
+)
+
+
+def _floor(module: str) -> int:
+  """The floor of the most specific pattern: an exact name, else the longest package prefix ("pkg." matches pkg
+  itself and everything in it)."""
+  best, level = (-1, 0), 0
+  for i, (_, patterns) in enumerate(FLOORS):
+    for p in patterns:
+      if module == p:
+        score = (10**6, 0)
+      elif p.endswith(".") and (module.startswith(p) or module == p[:-1]):
+        score = (len(p), 0)
+      else:
+        continue
+      if score > best:
+        best, level = score, i
+  return level
+
+
+def _floor_breaches(graph: dict[str, set[str]]) -> list[str]:
+  """Imports up a floor, and imports between training and benchmarking code (same floor, two sides that meet
+  only through the floors below)."""
+  side = lambda m: m.split(".")[1] if m.startswith(("longspec_jax.training", "longspec_jax.inference")) else None
+  out = []
+  for m, targets in sorted(graph.items()):
+    for t in sorted(targets):
+      up = _floor(t) > _floor(m)
+      across = _floor(t) == _floor(m) == 4 and side(m) != side(t)
+      if up or across:
+        out.append(f"{m} ({FLOORS[_floor(m)][0]}) imports {t} ({FLOORS[_floor(t)][0]})")
+  return out
+
+
+def test_floor_checker_sees_a_breach():
+  assert _floor("longspec_jax.model") == 0 and _floor("longspec_jax.drafters.eagle3") == 2
+  assert _floor("longspec_jax.inference.engine") == 3 and _floor("longspec_jax.inference.benchmark.suite") == 4
+  assert _floor("longspec_jax.inference.cli") == 5 and _floor("longspec_jax.training.trainer") == 4
+  assert _floor_breaches({"longspec_jax.model": {"longspec_jax.drafters.base"},
+                          "longspec_jax.training.trainer": {"longspec_jax.inference.bench"},
+                          "longspec_jax.training.drafter_data": {"longspec_jax.inference.generate"}}) == [
+      "longspec_jax.model (core) imports longspec_jax.drafters.base (drafters)",
+      "longspec_jax.training.trainer (training and benchmarks) imports longspec_jax.inference.bench "
+      "(training and benchmarks)"]
+
+
+def test_modules_import_only_their_floor_or_below():
+  modules = _modules()
+  graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+  assert _floor_breaches(graph) == []

@@ -85,7 +85,7 @@ def test_greedy_longspark_equals_ar(target, longspark, batch, lengths):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("markov_rank", [0, 8])
-def test_longspark_sampling_matches_target_distribution(peaky_target, markov_rank):  # noqa: F811
+def test_longspark_sampling_matches_target_distribution(peaky_target, markov_rank):
   d = longspark_from_model(_longspark(peaky_target, seed=2, markov_rank=markov_rank), peaky_target)
   if markov_rank:  # a non-zero Markov term, so that the sequential q matters
     m = nnx.merge(d.spec.graphdef, d.params["drafter"])
@@ -325,7 +325,7 @@ def test_bad_checkpoints_targets_and_k(target, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_longspark_exports_and_resumes_exactly(env, tmp_path):  # noqa: F811
+def test_train_longspark_exports_and_resumes_exactly(env, tmp_path):
   """Trainer on tiny target-generated data (feature cache built once, reused): the loss falls, a stopped + resumed
   run ends bit-identical, and the export loads as a drafter that is lossless against its target."""
   from longspec_jax.hf_io import load_model_dir
@@ -481,7 +481,7 @@ def test_draft_vocab_cuts_the_head_and_stays_lossless(target, tmp_path):
 
 
 @pytest.mark.slow
-def test_sampling_with_a_cut_head_matches_target_distribution(peaky_target):  # noqa: F811
+def test_sampling_with_a_cut_head_matches_target_distribution(peaky_target):
   """Tokens outside the draft vocabulary have q = 0: rejection sampling still gives the target's distribution."""
   d = longspark_from_model(_longspark(peaky_target, seed=2), peaky_target)
   d = _cut_head(d, np.random.default_rng(1).permutation(V)[:V // 2])

@@ -88,7 +88,7 @@ def _params(out: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["pard", "dflash", "eagle3"])
-def test_two_processes_train_like_one(drafter, env, tmp_path):  # noqa: F811
+def test_two_processes_train_like_one(drafter, env, tmp_path):
   config = _config(drafter, env, tmp_path)
   single, multi = tmp_path / "single", tmp_path / "multi"
   _train(drafter, config, single, 1)
@@ -144,7 +144,7 @@ import jax
 from longspec_jax.inference.engine import output_stats, output_tokens, prepare
 from longspec_jax.inference.functional import place_generation
 from longspec_jax import sharding as shd
-from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.drafters.pard import standalone_from_model
 from longspec_jax.model import create_model
 from tests.test_functional import _cfg, _prompts
 
@@ -168,7 +168,7 @@ print("TOKENS", json.dumps(res))
 @pytest.mark.slow
 def test_two_process_generate_equals_single_process():
   from longspec_jax.inference.generate import generate
-  from longspec_jax.drafters.standalone import standalone_from_model
+  from longspec_jax.drafters.pard import standalone_from_model
   from longspec_jax.model import create_model
   from tests.test_functional import _cfg, _prompts
 

@@ -14,7 +14,7 @@ from longspec_jax.attention import causal_attention
 from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.drafters import load_drafter
 from longspec_jax.drafters.base import PrefillResult, ProposeContext
-from longspec_jax.drafters.standalone import standalone_from_model
+from longspec_jax.drafters.pard import standalone_from_model
 from longspec_jax.model import create_model
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.sharpdraft import (SHARPDRAFT_FILE, SharpDraft, calibrate, exact_rho, fitted_alpha,

@@ -4,7 +4,7 @@
 import pytest
 
 from longspec_jax.inference.cli import main
-from longspec_jax.inference.eval_target import evaluate_position_buckets, load_unigram
+from longspec_jax.training.eval_target import evaluate_position_buckets, load_unigram
 from longspec_jax import default_target_dir, long_doc_paths
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.tokenizer import load_tokenizer

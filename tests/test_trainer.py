@@ -77,7 +77,7 @@ def test_run_files_are_replaced_whole_while_another_process_reads_them(tmp_path)
   """Process 0 rewrites train_config.json on a resume while the others read it: a reader must see the old file or
   the new one, never a truncated one (a plain write_text let a two-process resume read '' and die)."""
   import threading
-  from longspec_jax.training.data import write_json_atomic
+  from longspec_jax.fileio import write_json_atomic
   path = tmp_path / "train_config.json"
   record = {"steps": 6, "lr": 0.02, "names": ["x" * 64] * 256}
   write_json_atomic(path, record)

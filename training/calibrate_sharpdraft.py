@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longspec_jax.argtypes import add_command, nonneg_int, positive_int
 from longspec_jax.drafters import SHARPDRAFT_METHODS
-from longspec_jax.sharpdraft_names import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE
+from longspec_jax.sharpdraft_names import SHARPDRAFT_FILE
 
 if TYPE_CHECKING:
   import numpy as np
@@ -151,36 +150,3 @@ def summary(result: dict) -> str:
       lines.append(f"{li:5d} {hi:4d} {h['k']:3d} {h['delta']:7.3f} {h['sigma']:6.3f} "
                    f"{result['applied']['alpha'][li][hi]:6.3f}  {h['top_k_mass']:.3f} / {h['model_top_k_mass']:.3f}")
   return "\n".join(lines)
-
-
-def cmd_calibrate_sharpdraft(a) -> int:
-  out = run_calibration(a.drafter, a.drafter_dir, a.model, a.corpus, a.granularity, a.rule, a.fit_max_keys,
-                        a.num_windows, a.batch, a.seed, a.n0, a.out)
-  print(summary(json.loads(out.read_text())))
-  print(f"wrote {out}")
-  return 0
-
-
-def add_subcommand(subparsers) -> None:
-  c = add_command(
-      subparsers, "calibrate-sharpdraft",
-      "measure a drafter's attention-score statistics at n0 and write sharpdraft.json",
-      "SharpDraft calibration: run the drafter's attention over corpus windows of its training length\n"
-      "n0, fit the score model (relevant keys' margin and background spread) per drafter, layer or\n"
-      "head, and write sharpdraft.json beside the checkpoint (read by --sharpdraft fixed|exact).")
-  c.add_argument("--drafter", required=True, choices=DRAFTERS, help="the method whose drafter to calibrate")
-  c.add_argument("--drafter-dir", help="drafter checkpoint (default: the one shipped for the target)")
-  c.add_argument("--model", help="target: a name (smollm2-135m), a model dir, or the shipped target (default)")
-  c.add_argument("--corpus", default="data/corpus", help="corpus whose train split gives the text")
-  c.add_argument("--granularity", choices=GRANULARITIES, default="head",
-                 help="share one set of statistics per drafter, per layer, or keep one per head")
-  c.add_argument("--rule", choices=ALPHA_RULES, default="tangent",
-                 help="fixed-slope alpha: tangent of the exact rule at n0, or least-squares fit up to --fit-max-keys")
-  c.add_argument("--fit-max-keys", type=positive_int, default=16384,
-                 help="--rule fit: the largest key count the slope is fitted over")
-  c.add_argument("--num-windows", type=positive_int, default=256, help="corpus windows of n0 tokens measured")
-  c.add_argument("--batch", type=positive_int, default=8, help="windows per forward")
-  c.add_argument("--seed", type=nonneg_int, default=0, help="window choice")
-  c.add_argument("--n0", type=positive_int, help="override drafter.json's n0")
-  c.add_argument("--out", help=f"output file (default: DRAFTER_DIR/{SHARPDRAFT_FILE})")
-  c.set_defaults(fn=cmd_calibrate_sharpdraft)

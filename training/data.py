@@ -21,14 +21,6 @@ import numpy as np
 SPLITS = ("train", "validation", "test", "long_test")
 
 
-def write_json_atomic(path: Path, obj, indent: int = 2) -> None:
-  """Writes `obj` as JSON under a temporary name, then renames it: a reader (another process, a crash) sees the
-  old file or the new one, never a half-written one."""
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=indent))
-  os.replace(tmp, path)
-
-
 @dataclasses.dataclass(frozen=True)
 class CorpusConfig:
   """How the corpus is cut. Defaults are what the shipped target was trained on."""

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from longspec_jax.training.data import write_json_atomic
+from longspec_jax.fileio import write_json_atomic
 
 STORE_VERSION = 1
 INDEX = "index.json"

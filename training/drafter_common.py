@@ -16,7 +16,7 @@ from flax import nnx
 from longspec_jax.config import ModelConfig
 from longspec_jax.distributed import is_main_process
 from longspec_jax.model import param_count
-from longspec_jax.training.data import write_json_atomic
+from longspec_jax.fileio import write_json_atomic
 from longspec_jax.training.drafter_data import load_drafter_data, weights_sha256
 from longspec_jax.training.losses import cross_entropy, topk_distillation
 
@@ -318,7 +318,7 @@ def copy_target_layers(layers, target_layers) -> None:
     if f > t.mlp.gate_proj.kernel.shape[1]:
       raise ValueError(f"init_from_target: the drafter's MLP ({f}) is wider than the target's "
                        f"({t.mlp.gate_proj.kernel.shape[1]})")
-    cast = lambda x: x.astype(layer.mlp.gate_proj.kernel[...].dtype)  # noqa: E731
+    cast = lambda x: x.astype(layer.mlp.gate_proj.kernel[...].dtype)
     layer.mlp.gate_proj.kernel[...] = cast(t.mlp.gate_proj.kernel[...][:, :f])
     layer.mlp.up_proj.kernel[...] = cast(t.mlp.up_proj.kernel[...][:, :f])
     layer.mlp.down_proj.kernel[...] = cast(t.mlp.down_proj.kernel[...][:f])

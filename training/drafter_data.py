@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from longspec_jax.hf_io import weights_sha256  # noqa: F401  (re-exported for the trainers)
+from longspec_jax.hf_io import weights_sha256  # also re-exported for the trainers
 
 DATASET_DIR = "dataset"
 SHARDS_DIR = "shards"

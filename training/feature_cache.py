@@ -26,6 +26,24 @@ INDEX = "index.json"
 CACHE_VERSION = 1
 
 
+def cache_tap_indices(spec: str, target_cfg) -> tuple[int, ...]:
+  """'dflash,eagle3,7' -> the union of DFlash's default taps (5 layers), EAGLE-3's default aux layers and 7."""
+  from longspec_jax.drafters.eagle3 import default_aux_layers
+  from longspec_jax.drafters.frozen_target import default_target_layer_ids
+
+  n = target_cfg.num_hidden_layers
+  named = {"dflash": [i + 1 for i in default_target_layer_ids(n, 5)], "eagle3": list(default_aux_layers(n))}
+  out = set()
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    if part in named:
+      out.update(named[part])
+    elif part.isdigit():
+      out.add(int(part))
+    else:
+      raise ValueError(f"--cache-taps: {part!r} is neither a tap index nor one of {sorted(named)}")
+  return tuple(sorted(out))
+
+
 def data_rows(ds) -> list[list[int]]:
   """The token rows a cache covers: prompt + continuation of every dataset row, in dataset order."""
   return [list(p) + list(c) for p, c in zip(ds["prompt"], ds["continuation"])]

@@ -371,7 +371,7 @@ class StoreBlockSampler:
     valid = b["valid"]
     anchors, extra = self.anchors(step, batch_size, rows, valid)
     tgt = anchors[..., None] + np.arange(1, bs)[None, None, :]  # [B, A, B_s - 1]
-    at = lambda x, pos: np.take_along_axis(  # noqa: E731  x [B, C, ...] at positions [B, A, S]
+    at = lambda x, pos: np.take_along_axis(  # x [B, C, ...] at positions [B, A, S]
         x, np.minimum(pos, c - 1).reshape(len(x), -1, *([1] * (x.ndim - 2))), 1).reshape(*pos.shape, *x.shape[2:])
     return {"tokens": b["tokens"], "taps": b["taps"], "anchors": anchors, "labels": at(b["tokens"], tgt),
             "label_w": ((tgt < valid[:, None, None]) * self.slot_weight).astype(np.float32),

@@ -472,7 +472,7 @@ def evaluate_on_store(loaded, target, store_dir, *, context_len: int = 512, ttt_
   frozen = jax.tree.map(jnp.asarray, frozen_inputs(target, None, draft_ids, with_target=False))
   graphdef = spec.graphdef
   stats = jax.jit(lambda p, b: ttt_stats(nnx.merge(graphdef, p), frozen, b, ttt_steps, spec.taps, pad_id, "kl"))
-  cast = lambda b: {**b, "taps": b["taps"].astype(np.float32)}  # noqa: E731
+  cast = lambda b: {**b, "taps": b["taps"].astype(np.float32)}
   return store_evaluator(lambda p, b: stats(p, cast(b)), sampler, 4, val_windows)(params["net"])
 
 

@@ -112,7 +112,7 @@ def train_target(cfg: TargetTrainConfig, resume: bool = True) -> Path:
 def export_final(model, cfg: TargetTrainConfig, stream: TokenStream) -> Path:
   """HF directory with the tokenizer and the training split's unigram log-probs (the eval baseline, and the
   prior DeLS-Spec subtracts)."""
-  from longspec_jax.inference.eval_target import unigram_log_probs
+  from longspec_jax.training.eval_target import unigram_log_probs
   from longspec_jax.hf_io import save_model_dir
   final = save_model_dir(model, Path(cfg.out_dir) / "final", tokenizer_dir=cfg.tokenizer_dir,
                          dtype=jnp.bfloat16)

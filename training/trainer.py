@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from longspec_jax import sharding as shd
 from longspec_jax.distributed import agree, host_values, is_main_process
-from longspec_jax.training.data import write_json_atomic
+from longspec_jax.fileio import write_json_atomic
 from longspec_jax.training.losses import DISTILL_KINDS
 
 

@@ -68,21 +68,15 @@ def _start_from_shared(config: engine.GenerationConfig, params, inputs, shared: 
 
 
 def _first_draft(config: engine.GenerationConfig, params, inputs, state: engine.EngineState):
-  """The drafter's proposal from a start state: one draft pass (a tree's nodes with `config.tree`)."""
-  ctx = ProposeContext(tokens=state.tokens, num_tokens=state.num_tokens, sampling=inputs.sampling)
-  if config.tree is not None:
-    return config.drafter.propose_tree(params.drafter, state.drafter_state, ctx, config.tree)[0]
-  return config.drafter.propose(params.drafter, state.drafter_state, ctx, jax.random.key(0), config.num_draft,
-                                config.sample)[0]
+  """The engine's draft half from a start state, at K (a tree's nodes with `config.tree`)."""
+  return engine.draft(config, params, inputs, state, config.num_draft, jax.random.key(0))[0]
 
 
-def _verify_pass(graphdef, target_params, cache, block, *, taps: tuple, return_kv: bool, tree=None):
-  """One target pass over `block` = [pending, drafts] (K+1 rows; a tree's nodes with `tree`) on a cache: the
-  verify half of a step."""
-  model = nnx.merge(graphdef, target_params)
-  if tree is None:
-    return model(block, cache=cache, mode="extend", taps=taps, return_kv=return_kv).logits
-  return engine.tree_forward(model, tree, block, cache, taps).logits
+def _verify_pass(graphdef, target_params, cache, block, *, taps: tuple, tree=None):
+  """The engine's verify half over `block` (its logits: what the step's acceptance reads; the taps and K/V rows the
+  program does not return are the same work, as attention over the block computes them anyway). One program per
+  target, block shape, taps and tree, shared by the methods that agree on them."""
+  return engine.verify_pass(nnx.merge(graphdef, target_params), cache, block, taps=taps, tree=tree).logits
 
 
 def _diagnostics(config: engine.GenerationConfig, params, inputs, state: engine.EngineState):
@@ -94,7 +88,7 @@ shared_prefill_program = jax.jit(engine.prefill, static_argnums=0, static_argnam
                                  compiler_options=COMPILER_OPTIONS)
 start_program = jax.jit(_start_from_shared, static_argnums=(0, 4), compiler_options=COMPILER_OPTIONS)
 draft_program = jax.jit(_first_draft, static_argnums=0, compiler_options=COMPILER_OPTIONS)
-verify_program = jax.jit(_verify_pass, static_argnums=0, static_argnames=("taps", "return_kv", "tree"),
+verify_program = jax.jit(_verify_pass, static_argnums=0, static_argnames=("taps", "tree"),
                          compiler_options=COMPILER_OPTIONS)
 diagnostics_program = jax.jit(_diagnostics, static_argnums=0)
 
@@ -152,9 +146,9 @@ def step_costs(timer: Timer, config: engine.GenerationConfig, params, inputs,
   drafts, draft_s = timer.timed(key, lambda: draft(params, inputs, state), repeats)
   pending = jnp.take_along_axis(state.tokens, state.target_cache.lengths[:, None], axis=1)
   block = jnp.concatenate([pending, drafts], axis=1)
-  key = ("verify", config.graphdef, config.max_len, block.shape, d.taps, d.needs_target_kv, config.tree)
+  key = ("verify", config.graphdef, config.max_len, block.shape, d.taps, config.tree)
   verify = timer.compiled(key, verify_program, config.graphdef, params.target, state.target_cache, block,
-                          taps=d.taps, return_kv=d.needs_target_kv, tree=config.tree)
+                          taps=d.taps, tree=config.tree)
   _, verify_s = timer.timed(key, lambda: verify(params.target, state.target_cache, block), repeats)
   return 1000 * draft_s, 1000 * verify_s
 

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_target(model: str, rope_scaling: str = "", dtype: str = "float32"):
+def target_with_provenance(model: str, rope_scaling: str = "", dtype: str = "float32"):
   """(model, tokenizer, description) for a suite config's `model:` (a named target such as smollm2-135m, a model
   directory, or "" for the shipped default), `rope_scaling:` (e.g. "yarn:2"; "" = none) and `dtype:`."""
   from longspec_jax.hf_io import weights_sha256
@@ -27,8 +27,9 @@ def load_target(model: str, rope_scaling: str = "", dtype: str = "float32"):
 
 def drafter_checkpoint(method, target=None) -> dict | None:
   """The checkpoint a method's drafter loads (directory and a hash of its weights, config.json and, when the
-  method turns SharpDraft on, sharpdraft.json; with a draft vocabulary, draft_vocab.json), so that results of a retrained drafter are never mixed with the old
-  ones; None for methods without a checkpoint (AR, prompt lookup). `method`: a config.MethodSpec."""
+  method turns SharpDraft on, sharpdraft.json; with a draft vocabulary, draft_vocab.json), so that results of a
+  retrained drafter are never mixed with the old ones; None for methods without a checkpoint (AR, prompt lookup).
+  `method`: a config.MethodSpec."""
   from longspec_jax.drafters import drafter_path
   from longspec_jax.drafters.frozen_target import DRAFT_VOCAB_FILE
   from longspec_jax.hf_io import weights_sha256

@@ -122,7 +122,8 @@ def markdown(results: dict, plots: tuple[str, ...] = PLOTS) -> str:
               f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}] | {'yes' if d['exceeds_ci'] else 'no'} | {speedup} |")
   md += ["", f"## tau change from the reference context ({cfg.get('reference_context') or min(cfg['contexts'])}; "
          "paired over the same cut points)", "",
-         "| T | method | context | tau(context) - tau(ref) [CI] | difference exceeds CI | tau(context) / tau(ref) [CI] |",
+         "| T | method | context | tau(context) - tau(ref) [CI] | difference exceeds CI "
+         "| tau(context) / tau(ref) [CI] |",
          "|---|---|---|---|---|---|"]
   for d in results["tau_vs_reference_context"]:
     md.append(f"| {d['temperature']:g} | {d['method']} | {d['from_context']} -> {d['context']} | {d['diff']:+.2f} "

@@ -8,8 +8,9 @@ the same process as the methods it is compared with.
 
 Each finished (method, context, temperature, prompt) is appended to `cells/*.jsonl` under the output directory
 at once, so a killed sweep loses at most one prompt, and a rerun skips what is there. The llama.cpp peers
-(`llama.cpp-ar`, `llama.cpp-lookup`) are methods too: on the same prompt tokens, in a child process each. Every run of the command
-rewrites `results.json` (everything), `results.md` (tables) and the plots from all records on disk (`report`).
+(`llama.cpp-ar`, `llama.cpp-lookup`) are methods too: on the same prompt tokens, in a child process each. Every
+run of the command rewrites `results.json` (everything), `results.md` (tables) and the plots from all records on
+disk (`report`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from longspec_jax.drafters.base import DEFAULT_NUM_DRAFT
+from longspec_jax.drafters.registry import DEFAULT_NUM_DRAFT
 from longspec_jax.inference import engine
 from longspec_jax.inference.benchmark import llamacpp, measure, provenance, report
 from longspec_jax.inference.benchmark.llamacpp import PEER_METHODS
@@ -106,7 +107,7 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
   methods = validate(cfg)
   out = Path(out)
   (out / "cells").mkdir(parents=True, exist_ok=True)
-  model, tok, target = provenance.load_target(cfg.model, cfg.rope_scaling, cfg.dtype)
+  model, tok, target = provenance.target_with_provenance(cfg.model, cfg.rope_scaling, cfg.dtype)
   mcfg = model.cfg
   engine.sizes(mcfg, max(cfg.contexts), cfg.new_tokens)  # raises if even AR does not fit
   doc_paths = [Path(d) for d in cfg.docs] or long_doc_paths()

@@ -103,7 +103,7 @@ def _shipped(name: str, drafter_dir, target=None) -> Path:
     vocab = _vocab_size(target)
     if vocab is not None:
       others = [c for c in {e.checkpoint for e in ENTRIES.values()} if c and c != name and c.startswith(name + "-")]
-      ours = lambda d: (d == name or d.startswith(name + "-")) and not any(  # noqa: E731
+      ours = lambda d: (d == name or d.startswith(name + "-")) and not any(
           d == c or d.startswith(c + "-") for c in others)
       fits = [d for d in sorted(SHIPPED_DRAFTERS_DIR.iterdir()) if ours(d.name) and _config_vocab(d) == vocab]
       if not fits:
@@ -126,6 +126,21 @@ def drafter_path(name: str, drafter_dir=None, target=None, learned: str | None =
   return _shipped(checkpoint, drafter_dir, target)
 
 
+def given_options(**options) -> dict:
+  """The drafter options that were set (None = the method's default, left to its loader)."""
+  return {name: value for name, value in options.items() if value is not None}
+
+
+def check_architecture(entry: DrafterEntry, path: Path) -> None:
+  """Another method's checkpoint given by mistake (config.json `architectures`) is named as such, at once."""
+  found = json.loads((path / "config.json").read_text()).get("architectures") or []
+  if entry.architectures and found and not set(found) & set(entry.architectures):
+    owners = sorted(e.name for e in ENTRIES.values() if set(found) & set(e.architectures))
+    raise ValueError(f"drafter checkpoint {path} is a {'/'.join(found)} checkpoint"
+                     + (f" (method {', '.join(owners)})" if owners else "")
+                     + f", not one for method {entry.name} ({' or '.join(entry.architectures)})")
+
+
 def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
                  budget: int | None = None, learned: str | None = None,
                  draft_vocab: int | None = None, parts: str | None = None) -> LoadedDrafter | None:
@@ -146,13 +161,9 @@ def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
   if entry is None:
     return None
   path = drafter_path(name, drafter_dir, target, learned) if entry.checkpoint else None
-  options = {"budget": budget} if budget is not None else {}
-  if learned is not None:
-    options["learned"] = learned
-  if draft_vocab is not None:
-    options["draft_vocab"] = draft_vocab
-  if parts is not None:
-    options["parts"] = parts
+  if path is not None:
+    check_architecture(drafter_entry(learned or name), path)
+  options = given_options(budget=budget, learned=learned, draft_vocab=draft_vocab, parts=parts)
   if entry.sharpdraft:
     options["sharpdraft"] = load_sharpdraft(path, sharpdraft, name) if sharpdraft != "off" else None
   return entry.load(path, target, **options)

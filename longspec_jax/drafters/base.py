@@ -17,6 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from longspec_jax.drafters.registry import DEFAULT_NUM_DRAFT
 from longspec_jax.sampling import SamplingParams
 
 
@@ -89,7 +90,17 @@ class LoadedDrafter:
   params: Any = None
 
 
-DEFAULT_NUM_DRAFT = 8
+def _of_inner(name: str) -> property:
+  return property(lambda self: getattr(self.inner, name, None), doc=f"the inner drafter's {name}")
+
+
+class ReadsLikeInner:
+  """For a drafter built around another (`inner`): the target reads it asks for are its inner drafter's (taps, K/V
+  rows), over the same vocabulary and block limit (None where the inner drafter has none)."""
+  taps = _of_inner("taps")
+  needs_target_kv = _of_inner("needs_target_kv")
+  vocab_size = _of_inner("vocab_size")
+  max_draft_tokens = _of_inner("max_draft_tokens")
 
 
 def default_num_draft(spec) -> int:

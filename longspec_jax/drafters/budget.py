@@ -35,7 +35,7 @@ from longspec_jax.attention import dense_masked_attention
 from longspec_jax.drafters.base import LoadedDrafter
 from longspec_jax.drafters.dflash import DFlashDrafter
 from longspec_jax.drafters.registry import DrafterEntry
-from longspec_jax.drafters.standalone import pick_token
+from longspec_jax.drafters.pard import pick_token
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.pallas_kernels.length_masked_attention import (length_masked_attention, merge_attention_views,
                                                                  select_chunks)
@@ -45,11 +45,13 @@ CHUNK = 8  # tokens per selectable chunk (the paper's chunk size)
 _LAST = 2 ** 30  # sorts empty slots (-1) after every real chunk index
 # `--drafter assets/drafters/pard` runs the same rule on the untrained (not multi-view) drafter. `dflash-budget`
 # reads the shipped DFlash checkpoint (naive sparse) unless `--drafter` names a multi-view fine-tune.
-DRAFTERS = (DrafterEntry(name="budget", loader="load_for_target", checkpoint="budgetdraft", options=("budget",),
+DRAFTERS = (DrafterEntry(name="budget", loader="load_for_target", checkpoint="budget", options=("budget",),
+                         architectures=("Qwen3ForCausalLM", "LlamaForCausalLM"),
                          trainer="longspec_jax.training.train_budget:BudgetTrainConfig:train_budget"),
             DrafterEntry(name="dflash-budget", loader="load_dflash_budget", checkpoint="dflash",
+                         architectures=("DFlashDraftModel",),
                          options=("budget", "draft_vocab"),
-                         trainer="longspec_jax.training.train_budget_dflash:DFlashBudgetTrainConfig:"
+                         trainer="longspec_jax.training.train_dflash_budget:DFlashBudgetTrainConfig:"
                                  "train_dflash_budget"),)
 
 

@@ -35,6 +35,7 @@ ARCHITECTURE = "CombinedBlockDrafter"
 BLOCK_PARTS = ("longspark", "dflash")
 PARTS = BLOCK_PARTS + ("dels",)
 DRAFTERS = (DrafterEntry(name="combined", loader="load_combined", checkpoint="combined",
+                         architectures=("CombinedBlockDrafter",),
                          options=("budget", "parts")),)
 
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longspec_jax.config import read_config_json
-from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.base import LoadedDrafter, ReadsLikeInner
 from longspec_jax.drafters.dflash import load_dflash
 from longspec_jax.drafters.longspark import ARCHITECTURE as LONGSPARK, LongSparkDrafter, load_longspark
 from longspec_jax.drafters.registry import DrafterEntry
@@ -58,9 +58,11 @@ TENSOR_NAMES = {"embed_tokens.weight": "emb", "prefix_gru.weight_ih_l0": "w_ih",
 # `budget=N`: the head over BudgetDraft's sparse view of the DFlash context (`dflash-budget`), the combination
 # of two seeds whose state stays constant in the context.
 DRAFTERS = (DrafterEntry(name="dels", loader="load_dels", checkpoint="dels", options=("budget",),
+                         architectures=("DeLSLocalHead",),
                          trainer="longspec_jax.training.train_dels:DeLSTrainConfig:train_dels"),
             # The local head over LongSpark (checkpoint: its alpha/beta and head, naming the LongSpark it corrects).
-            DrafterEntry(name="longspark-dels", loader="load_dels", checkpoint="longspark-dels"))
+            DrafterEntry(name="longspark-dels", loader="load_dels", checkpoint="longspark-dels",
+                         architectures=("DeLSLocalHead",)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,27 +174,15 @@ def decode_block(cfg: DeLSConfig, head, base_logits, pending, sp=None, key=None,
 
 
 @dataclasses.dataclass(frozen=True)
-class DeLSDrafter:
+class DeLSDrafter(ReadsLikeInner):
   base: Any  # DFlashDrafter | LongSparkDrafter | combined.BlockEnsembleDrafter
   cfg: DeLSConfig
   name: str = "dels"
   catch_up_in_propose = False  # the base's update
 
   @property
-  def needs_target_kv(self) -> bool:
-    return self.base.needs_target_kv
-
-  @property
-  def taps(self) -> tuple[int, ...]:
-    return self.base.taps
-
-  @property
-  def vocab_size(self) -> int:
-    return self.base.vocab_size
-
-  @property
-  def max_draft_tokens(self) -> int:
-    return self.base.max_draft_tokens  # dels_from_head checks there are alpha/beta for that many positions
+  def inner(self):
+    return self.base  # its block limit too: dels_from_head checks there are alpha/beta for that many positions
 
   def init_state(self, params, prefill, max_len):
     return self.base.init_state(params["base"], prefill, max_len)

@@ -27,8 +27,8 @@ from flax import nnx
 
 from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
-from longspec_jax.drafters.frozen_target import (check_reads_target, default_target_layer_ids, embed_tokens,
-                                                 head_logits, target_io, with_draft_vocab)
+from longspec_jax.drafters.frozen_target import (check_block_drafter, check_reads_target, default_target_layer_ids,
+                                                 embed_tokens, head_logits, target_io, taps_of, with_draft_vocab)
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import apply_rope, rope_frequencies
@@ -38,6 +38,7 @@ from longspec_jax.pallas_kernels.length_masked_attention import length_masked_at
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
 DRAFTERS = (DrafterEntry(name="dflash", loader="load_dflash", checkpoint="dflash", sharpdraft=True,
+                         architectures=("DFlashDraftModel",),
                          options=("draft_vocab",),
                          trainer="longspec_jax.training.train_dflash:DFlashTrainConfig:train_dflash"),)
 
@@ -53,20 +54,11 @@ class DFlashConfig:
   def __post_init__(self):
     if self.block_size < 2:
       raise ValueError(f"DFlash block_size must be >= 2, got {self.block_size}")
-    if not self.target_layer_ids:
-      raise ValueError("DFlash needs at least one target layer id")
-    bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-    if bad:
-      raise ValueError(f"target_layer_ids {bad} outside the target's layers [0, {self.num_target_layers})")
-    if not 0 <= self.mask_token_id < self.arch.vocab_size:
-      raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.arch.vocab_size})")
-    if self.arch.family != "qwen3":
-      raise ValueError(f"DFlash layers are Qwen3-style; got family {self.arch.family!r}")
+    check_block_drafter("DFlash", self.arch, self.target_layer_ids, self.num_target_layers, self.mask_token_id)
 
   @property
   def taps(self) -> tuple[int, ...]:
-    # Our tap i is the residual stream entering layer i, i.e. the output of layer i-1.
-    return tuple(i + 1 for i in self.target_layer_ids)
+    return taps_of(self.target_layer_ids)
 
   def to_hf_dict(self) -> dict:
     d = self.arch.to_hf_dict()

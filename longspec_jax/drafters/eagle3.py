@@ -47,6 +47,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
               "norm_before_residual", "n0")
 DRAFTERS = (DrafterEntry(name="eagle3", loader="load_eagle3", checkpoint="eagle3", sharpdraft=True,
+                         architectures=("LlamaForCausalLMEagle3",),
                          trainer="longspec_jax.training.train_eagle3:Eagle3TrainConfig:train_eagle3"),)
 
 

@@ -21,6 +21,26 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
   return tuple(int(round(x)) for x in np.linspace(start, end, n))
 
 
+def check_block_drafter(what: str, arch, target_layer_ids, num_target_layers: int, mask_token_id: int) -> None:
+  """What a block drafter's config (DFlash, LongSpark: Qwen3-style layers over a mask-filled block, reading
+  target layers) must satisfy."""
+  if not target_layer_ids:
+    raise ValueError(f"{what} needs at least one target layer id")
+  bad = [i for i in target_layer_ids if not 0 <= i < num_target_layers]
+  if bad:
+    raise ValueError(f"target_layer_ids {bad} outside the target's layers [0, {num_target_layers})")
+  if not 0 <= mask_token_id < arch.vocab_size:
+    raise ValueError(f"mask_token_id {mask_token_id} outside the vocabulary [0, {arch.vocab_size})")
+  if arch.family != "qwen3":
+    raise ValueError(f"{what} layers are Qwen3-style; got family {arch.family!r}")
+
+
+def taps_of(target_layer_ids) -> tuple[int, ...]:
+  """Our tap i is the residual stream entering layer i, i.e. the output of layer i-1 (the public layouts name the
+  layer whose output they read)."""
+  return tuple(i + 1 for i in target_layer_ids)
+
+
 def check_reads_target(what: str, arch, num_target_layers: int, target, fields: tuple[str, ...]) -> None:
   """A drafter (`arch`, made for a `num_target_layers`-layer target) reads `target`'s hidden states and uses its
   embedding / LM head: the layer count and `fields` of the two configs must agree."""

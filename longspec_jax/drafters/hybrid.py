@@ -2,11 +2,11 @@
 
 Per sequence and step, the n-gram match over the prompt and everything generated (prompt lookup's longest match,
 up to `max_ngram` tokens) proposes when it matched at least `min_match` tokens; otherwise the learned drafter
-(`learned=`: EAGLE-3 by default, or any drafter with a checkpoint; the shipped one or `drafter_dir`) proposes. When every sequence in the batch has a match, the learned
-drafter's proposal is skipped altogether (`lax.cond`), and with a draft-length rule so is its update: the engine
-holds the step's committed rows (its lookup classes declare a proposal cost of 0: the proposal reads no drafter
-state) and the learned drafter reads them in one update before it next proposes. Drafters that catch up only in
-`propose` (catch_up_in_propose) always propose.
+(`learned=`: EAGLE-3 by default, or any drafter with a checkpoint; the shipped one or `drafter_dir`) proposes.
+When every sequence in the batch has a match, the learned drafter's proposal is skipped altogether (`lax.cond`),
+and with a draft-length rule so is its update: the engine holds the step's committed rows (its lookup classes
+declare a proposal cost of 0: the proposal reads no drafter state) and the learned drafter reads them in one
+update before it next proposes. Drafters that catch up only in `propose` (catch_up_in_propose) always propose.
 
 The match is recomputed on device from the token buffer each step (no host-side suffix structure, so no host
 round trip per step: it stays inside the engine's one `while_loop` on TPU as on CPU); its cost is one compare per
@@ -22,16 +22,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
+from longspec_jax.drafters.base import LoadedDrafter, ReadsLikeInner, one_hot_probs
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
 from longspec_jax.drafters.registry import DrafterEntry
 
 # checkpoint: the default learned drafter's (EAGLE-3); `learned=NAME` swaps in any drafter with a checkpoint.
-DRAFTERS = (DrafterEntry(name="hybrid", loader="load_hybrid", checkpoint="eagle3", options=("learned",)),)
+DRAFTERS = (DrafterEntry(name="hybrid", loader="load_hybrid", checkpoint="eagle3", options=("learned",),
+                         architectures=("LlamaForCausalLMEagle3",)),)
 
 
 @dataclasses.dataclass(frozen=True)
-class HybridDrafter:
+class HybridDrafter(ReadsLikeInner):
   lookup: PromptLookupDrafter
   learned: Any  # the learned drafter's spec
   min_match: int = 2  # the n-gram length from which the lookup proposes
@@ -43,20 +44,8 @@ class HybridDrafter:
                        f"{self.min_match}")
 
   @property
-  def vocab_size(self) -> int:
-    return self.learned.vocab_size
-
-  @property
-  def taps(self) -> tuple[int, ...]:
-    return self.learned.taps
-
-  @property
-  def needs_target_kv(self) -> bool:
-    return self.learned.needs_target_kv
-
-  @property
-  def max_draft_tokens(self):
-    return self.learned.max_draft_tokens
+  def inner(self):
+    return self.learned
 
   @property
   def catch_up_in_propose(self) -> bool:

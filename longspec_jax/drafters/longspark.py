@@ -34,8 +34,9 @@ from flax import nnx
 
 from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import LoadedDrafter
-from longspec_jax.drafters.frozen_target import (apply_final_norm, check_reads_target, default_target_layer_ids,
-                                                 embed_tokens, head_logits, target_io, with_draft_vocab)
+from longspec_jax.drafters.frozen_target import (apply_final_norm, check_block_drafter, check_reads_target,
+                                                 default_target_layer_ids, embed_tokens, head_logits, target_io,
+                                                 taps_of, with_draft_vocab)
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import rope_frequencies
@@ -48,7 +49,8 @@ LONGSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_global
 PREFILL_CHUNK = 512  # rows per step of the prefill scan over the prompt's K/V
 # Our parameter names -> the public checkpoint's (FeedForward is nn.Sequential(Linear, SiLU, Linear) there).
 _RENAMES = ((".fc_in.", ".net.0."), (".fc_out.", ".net.2."))
-DRAFTERS = (DrafterEntry(name="longspark", loader="load_longspark", checkpoint="longspark", diagnostics=True,
+DRAFTERS = (DrafterEntry(name="longspark", loader="load_longspark", checkpoint="longspark",
+                         architectures=("LongSparkDraftModel",), diagnostics=True,
                          options=("draft_vocab",),
                          trainer="longspec_jax.training.train_longspark:LongSparkTrainConfig:train_longspark"),)
 
@@ -68,22 +70,14 @@ class LongSparkConfig:
     if self.block_size < 1 or self.num_global_slots < 1 or self.raw_window < 1 or self.markov_rank < 0:
       raise ValueError(f"LongSpark needs block_size, num_global_slots, raw_window >= 1 and markov_rank >= 0, got "
                        f"{self.block_size}, {self.num_global_slots}, {self.raw_window}, {self.markov_rank}")
-    if not self.target_layer_ids:
-      raise ValueError("LongSpark needs at least one target layer id")
-    bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-    if bad:
-      raise ValueError(f"target_layer_ids {bad} outside the target's layers [0, {self.num_target_layers})")
+    check_block_drafter("LongSpark", self.arch, self.target_layer_ids, self.num_target_layers, self.mask_token_id)
     if self.arch.num_hidden_layers != len(self.target_layer_ids):
       raise ValueError(f"LongSpark has one drafter layer per target layer read: {self.arch.num_hidden_layers} "
                        f"layers vs {len(self.target_layer_ids)} target_layer_ids")
-    if not 0 <= self.mask_token_id < self.arch.vocab_size:
-      raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.arch.vocab_size})")
-    if self.arch.family != "qwen3":
-      raise ValueError(f"LongSpark layers are Qwen3-style; got family {self.arch.family!r}")
 
   @property
   def taps(self) -> tuple[int, ...]:
-    return tuple(i + 1 for i in self.target_layer_ids)  # tap i = output of layer i-1
+    return taps_of(self.target_layer_ids)
 
   def to_hf_dict(self) -> dict:
     d = self.arch.to_hf_dict()

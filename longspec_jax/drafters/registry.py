@@ -17,6 +17,12 @@ import importlib
 from pathlib import Path
 
 
+# K, drafts per verification: the default (or a block drafter's limit when smaller), and the most any method takes.
+# Past 64 a verify pass of K + 1 rows costs many decode steps while acceptance rarely passes a few dozen tokens.
+DEFAULT_NUM_DRAFT = 8
+MAX_NUM_DRAFT = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterEntry:
   """What one drafting method is. Every field is a literal so the registry can read it without an import."""
@@ -33,6 +39,9 @@ class DrafterEntry:
   # `train-drafter --drafter NAME`: "module:ConfigClass:train_function"; configs/drafter_NAME.yaml is the default
   # config. None: trained under another method's name (standalone uses pard's checkpoint) or not trainable.
   trainer: str | None = None
+  # config.json `architectures` a checkpoint of this method has (() = not checked): another drafter's checkpoint
+  # given by mistake is then named as such instead of failing deep in its loader.
+  architectures: tuple[str, ...] = ()
   module: str = ""  # the declaring module, filled in by the registry
 
   def load(self, drafter_dir, target, **options):

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from profile_verify import filled_cache, interleaved_medians  # noqa: E402
-from longspec_jax.kv_cache import COMPILER_OPTIONS  # noqa: E402
-from longspec_jax.targets import load_target  # noqa: E402
+from profile_verify import filled_cache, interleaved_medians
+from longspec_jax.kv_cache import COMPILER_OPTIONS
+from longspec_jax.targets import load_target
 
 
 def two_reduction_argmax(logits):
@@ -36,8 +36,8 @@ def make(pick):
   return jax.jit(f, donate_argnums=(1,), compiler_options=COMPILER_OPTIONS)
 
 
-progs = {"jnp.argmax": make(lambda l: jnp.argmax(l, -1).astype(jnp.int32)), "two reductions": make(two_reduction_argmax),
-         "logits only": make(lambda l: l)}
+progs = {"jnp.argmax": make(lambda l: jnp.argmax(l, -1).astype(jnp.int32)),
+         "two reductions": make(two_reduction_argmax), "logits only": make(lambda l: l)}
 for t in rows:
   tokens = jnp.ones((1, t), jnp.int32)
   state = {k: filled_cache(model, ctx, t) for k in progs}
