@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import resource
 import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -13,7 +16,14 @@ from longspec_jax.drafters.base import state_nbytes
 from longspec_jax.inference import engine
 from longspec_jax.inference.benchmark.measure import Timer, step_costs
 from longspec_jax.inference.benchmark.prompts import bench_prompts
-from longspec_jax.inference.generate import generate
+from longspec_jax.inference.generate import GenerationResult, generate
+
+if TYPE_CHECKING:
+  from tokenizers import Tokenizer
+
+  from longspec_jax.draft_tree import DraftTree
+  from longspec_jax.inference.draft_length import DraftLengthRule
+  from longspec_jax.model import Transformer
 
 
 def profile_step(config: engine.GenerationConfig, params: engine.GenerationParams, inputs: engine.GenerationInputs,
@@ -26,7 +36,8 @@ def profile_step(config: engine.GenerationConfig, params: engine.GenerationParam
   return draft_ms, verify_ms, state_nbytes(state.drafter_state)
 
 
-def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
+def decode_rate(model: Transformer, prompts: Sequence[Sequence[int]], new_tokens: int, repeats: int,
+                **kw: Any) -> tuple[GenerationResult, float | None, float, float]:
   """(result, decode tokens/s, prefill s, decode s). generate() times its prefill and decode programs apart;
   medians over `repeats` calls after a compiling one. The first token of each sequence comes from the prefill, so
   the rate counts the tokens the decode loop made."""
@@ -40,11 +51,13 @@ def decode_rate(model, prompts, new_tokens: int, repeats: int, **kw):
   return res, (n_decoded / decode_s if n_decoded else None), prefill_s, decode_s
 
 
-def run_bench(model, tok, method: str, text: str, context: int, new_tokens: int, temperature: float = 0.0,
-              seed: int = 0, batch: int = 1, num_draft: int | None = None, drafter_dir=None, repeats: int = 3,
-              top_k: int = 0, top_p: float = 1.0, sharpdraft: str = "off", ar_baseline=None, log=None,
-              budget: int | None = None, draft_length=None, learned: str | None = None,
-              draft_vocab: int | None = None, parts: str | None = None, tree=None) -> dict:
+def run_bench(model: Transformer, tok: Tokenizer, method: str, text: str, context: int, new_tokens: int,
+              temperature: float = 0.0, seed: int = 0, batch: int = 1, num_draft: int | None = None,
+              drafter_dir: str | Path | None = None, repeats: int = 3, top_k: int = 0, top_p: float = 1.0,
+              sharpdraft: str = "off", ar_baseline: tuple[GenerationResult, float | None, float, float] | None = None,
+              log: Callable[[str], None] | None = None, budget: int | None = None,
+              draft_length: DraftLengthRule | str | None = None, learned: str | None = None,
+              draft_vocab: int | None = None, parts: str | None = None, tree: DraftTree | str | None = None) -> dict:
   """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
   in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)

@@ -40,10 +40,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+  from collections.abc import Sequence
+
+  from jax.typing import ArrayLike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +111,7 @@ class DraftLengthRule:
     row = [float(np.interp(cache_len, ctx, table[:, j])) for j in range(table.shape[1])]
     return dataclasses.replace(self, costs=tuple(round(c, 4) for c in row), cost_contexts=())
 
-  def step_costs(self, proposal_scale=1.0):
+  def step_costs(self, proposal_scale: float | jax.Array = 1.0) -> jax.Array:
     """C(s) per size, in AR steps: the measured costs, else the model with the proposal cost scaled by
     `proposal_scale` (a float, or a traced [] array inside the loop)."""
     if self.cost_contexts:
@@ -168,7 +174,7 @@ def default_sizes(num_draft: int) -> tuple[int, ...]:
   return tuple(sorted(({0, 1, 3, num_draft} | extra) & set(range(num_draft + 1))))
 
 
-def expected_tokens(rates, sizes) -> jax.Array:
+def expected_tokens(rates: ArrayLike, sizes: Sequence[int]) -> jax.Array:
   """E(s) = 1 + a (1 + b + ... + b^(s-1)) for each size, from rates [..., 2] = (a, b): [..., n_sizes]."""
   s = jnp.asarray(sizes, jnp.float32)
   rates = jnp.asarray(rates, jnp.float32)
@@ -176,8 +182,8 @@ def expected_tokens(rates, sizes) -> jax.Array:
   return 1.0 + a * (1.0 - b ** s) / (1.0 - b)
 
 
-def choose_size_index(rule: DraftLengthRule, row_rates, active, idle_steps, proposal_scale=1.0,
-                      probe_wait=None) -> jax.Array:
+def choose_size_index(rule: DraftLengthRule, row_rates: ArrayLike, active: ArrayLike, idle_steps: int | jax.Array,
+                      proposal_scale: float | jax.Array = 1.0, probe_wait: int | jax.Array | None = None) -> jax.Array:
   """[] int32 index into rule.sizes for this step, from each sequence's rates (its class's) [B, 2] over the
   active sequences [B]; a probe after `probe_wait` idle steps (default rule.probe_every)."""
   tokens = jnp.sum(jnp.where(jnp.asarray(active)[:, None], expected_tokens(row_rates, rule.sizes), 0.0), axis=0)
@@ -188,7 +194,8 @@ def choose_size_index(rule: DraftLengthRule, row_rates, active, idle_steps, prop
   return jnp.where(probe, 1, best)
 
 
-def next_probe_wait(rule: DraftLengthRule, probe_wait, probed, accepted_any) -> jax.Array:
+def next_probe_wait(rule: DraftLengthRule, probe_wait: jax.Array, probed: bool | jax.Array,
+                    accepted_any: bool | jax.Array) -> jax.Array:
   """The idle steps before the next probe after a step: back to probe_every once any draft was accepted, longer
   (x probe_backoff, capped) after a probe that accepted nothing."""
   longer = jnp.minimum(jnp.ceil(probe_wait * rule.probe_backoff), rule.max_probe_every).astype(jnp.int32)
@@ -204,7 +211,8 @@ def initial_rates(rule: DraftLengthRule, num_classes: int) -> jax.Array:
   return jnp.full((num_classes, 2), rule.initial_rate, jnp.float32)
 
 
-def step_counts(num_classes: int, size, num_accepted, active, classes) -> jax.Array:
+def step_counts(num_classes: int, size: int | jax.Array, num_accepted: jax.Array, active: jax.Array,
+                classes: jax.Array) -> jax.Array:
   """What one step observed, per draft class [C, 4]: first drafts accepted, first drafts verified, later drafts
   accepted (after an accepted first one), later drafts tried (accepted + rejections; a sequence that accepted
   all `size` drafts saw no rejection). All zero for a 0-size step."""
@@ -216,7 +224,7 @@ def step_counts(num_classes: int, size, num_accepted, active, classes) -> jax.Ar
                     cont_hits + jnp.sum(after & (n < size), axis=1)], axis=1).astype(jnp.int32)
 
 
-def update_rates(rule: DraftLengthRule, rates, counts) -> jax.Array:
+def update_rates(rule: DraftLengthRule, rates: jax.Array, counts: jax.Array) -> jax.Array:
   """The per-class rates [C, 2] after a step that observed `counts` [C, 4] (step_counts): each rate moves toward
   that step's estimate of it, hits / tries, where the step tried it at all."""
   counts = counts.astype(jnp.float32)
@@ -225,7 +233,7 @@ def update_rates(rule: DraftLengthRule, rates, counts) -> jax.Array:
   return jnp.where(tries > 0, rule.decay * rates + (1.0 - rule.decay) * estimate, rates)
 
 
-def observed_rates(counts) -> list:
+def observed_rates(counts: ArrayLike) -> list:
   """(a, b) per class from accumulated step_counts [C, 4] (None where never tried): calibration's priors."""
   c = np.asarray(counts, np.float64)
   return [[round(float(h / t), 4) if t else None for h, t in ((row[0], row[1]), (row[2], row[3]))] for row in c]

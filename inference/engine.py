@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -36,13 +36,17 @@ from flax import nnx
 
 from longspec_jax.draft_tree import DraftTree, gather_path, load_tree, verify_tree_greedy
 from longspec_jax.drafters.registry import MAX_NUM_DRAFT
-from longspec_jax.drafters.base import (LoadedDrafter, PrefillResult, ProposeContext, VerifyResult, default_num_draft,
-                                       max_draft_tokens)
+from longspec_jax.drafters.base import (DrafterSpec, LoadedDrafter, PrefillResult, ProposeContext, VerifyResult,
+                                       default_num_draft, max_draft_tokens)
 from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, initial_rates,
                                                  next_probe_wait, observed_rates, step_counts, update_rates)
 from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
 from longspec_jax.sampling import SamplingParams, sample_token
 from longspec_jax.verify import verify_greedy, verify_sampling
+
+if TYPE_CHECKING:
+  from longspec_jax.config import ModelConfig
+  from longspec_jax.model import ForwardOutput, Transformer
 
 MIN_BUCKET = 64
 # Independent random streams of one seed: drafting, acceptance (and AR sampling), the prefill's first token.
@@ -64,7 +68,8 @@ def cache_len_for(prompt_len: int, max_new_tokens: int, extra: int = 0) -> tuple
   return t, bucket(t + max_new_tokens + extra)
 
 
-def validate_prompts(prompts, vocab_size: int, max_len: int | None = None) -> list[list[int]]:
+def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, vocab_size: int,
+                     max_len: int | None = None) -> list[list[int]]:
   if isinstance(prompts, np.ndarray):
     prompts = prompts.tolist()
   if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -92,7 +97,7 @@ def pad_prompts(prompts: list[list[int]], pad_id: int, length: int) -> tuple[np.
   return arr, np.asarray([len(p) for p in prompts], np.int32)
 
 
-def resolve_num_draft(spec, num_draft: int | None) -> int:
+def resolve_num_draft(spec: DrafterSpec, num_draft: int | None) -> int:
   """K for a drafter: its default when None; checked against its limit (block drafters) on the host."""
   k = default_num_draft(spec) if num_draft is None else int(num_draft)
   if not 1 <= k <= MAX_NUM_DRAFT:
@@ -105,7 +110,8 @@ def resolve_num_draft(spec, num_draft: int | None) -> int:
   return k
 
 
-def resolve_draft_length(draft_length, spec, num_draft: int | None) -> DraftLengthRule | None:
+def resolve_draft_length(draft_length: DraftLengthRule | str | None, spec: DrafterSpec,
+                         num_draft: int | None) -> DraftLengthRule | None:
   if draft_length in (None, "fixed"):
     return None
   if draft_length == "auto":
@@ -120,14 +126,15 @@ def resolve_draft_length(draft_length, spec, num_draft: int | None) -> DraftLeng
   return draft_length
 
 
-def resolve_tree(tree, spec, temperature: float, num_draft, rule) -> DraftTree | None:
+def resolve_tree(tree: DraftTree | str | None, spec: DrafterSpec, temperature: float, num_draft: int | None,
+                 rule: DraftLengthRule | None) -> DraftTree | None:
   """The call's draft tree (None: a chain), checked against what tree verification supports."""
   if tree is None:
     return None
   if not isinstance(tree, DraftTree):
     tree = load_tree(tree)
-  if not hasattr(spec, "propose_tree"):
-    raise ValueError(f"drafter {spec.name!r} drafts chains only; tree drafting needs a drafter with propose_tree "
+  if not spec.drafts_trees:
+    raise ValueError(f"drafter {spec.name!r} drafts chains only; tree drafting needs a drafter that drafts trees "
                      f"(eagle3)")
   if temperature > 0:
     raise ValueError("tree verification is greedy: use temperature 0, or a chain (no tree) to sample")
@@ -138,7 +145,7 @@ def resolve_tree(tree, spec, temperature: float, num_draft, rule) -> DraftTree |
   return tree
 
 
-def sizes(cfg, longest: int, max_new_tokens: int, num_draft: int = 0) -> tuple[int, int]:
+def sizes(cfg: ModelConfig, longest: int, max_new_tokens: int, num_draft: int = 0) -> tuple[int, int]:
   """(prompt bucket, cache length); raises if the longest prompt cannot get max_new_tokens. A verify pass writes
   K+1 rows past the last committed token, so speculative decoding needs that headroom."""
   extra = num_draft + 1 if num_draft else 0
@@ -178,9 +185,10 @@ class GenerationInputs:
   eos_id: jax.Array  # [] int32; -1 = never stop early
 
 
-def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-            top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, drafter=None,
-            num_draft: int | None = None, draft_length: DraftLengthRule | str | None = None,
+def prepare(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+            top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+            drafter: LoadedDrafter | DrafterSpec | None = None, num_draft: int | None = None,
+            draft_length: DraftLengthRule | str | None = None,
             tree: DraftTree | str | None = None) -> tuple[GenerationConfig, GenerationParams, GenerationInputs]:
   """Validates and buckets a call on the host; returns its (static config, params, inputs). With a drafter,
   `num_draft` None means the drafter's default K. draft_length: None / "fixed" (K every step), "auto"
@@ -235,8 +243,8 @@ class Prefilled:
   new_kv: tuple | None  # target (k, v) rows written by the prefill, [L, B, T, Hkv, D] each (or None)
 
 
-def prefill(graphdef, target_params, tokens, prompt_lens, *, max_len: int, taps: tuple = (),
-            return_kv: bool = False) -> Prefilled:
+def prefill(graphdef: nnx.GraphDef, target_params: nnx.State, tokens: jax.Array, prompt_lens: jax.Array, *,
+            max_len: int, taps: tuple = (), return_kv: bool = False) -> Prefilled:
   """The one target prefill: the prompts' K/V into a cache of `max_len`, last-row logits, and the taps / K/V
   rows drafters read. The bench suite runs it once per prompt with the union of its methods' taps."""
   model = nnx.merge(graphdef, target_params)
@@ -355,7 +363,7 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
   if draft_classes(drafter) > 1:
     classes = drafter.draft_class(ProposeContext(tokens=state.tokens, num_tokens=state.num_tokens,
                                                  sampling=inputs.sampling))
-  scale = jnp.asarray(getattr(drafter, "proposal_cost_scale", None) or (1.0,), jnp.float32)
+  scale = jnp.asarray(drafter.proposal_cost_scale, jnp.float32)
   proposal_scale = jnp.max(jnp.where(active, scale[jnp.minimum(classes, scale.shape[0] - 1)], 0.0))
   index = choose_size_index(rule, state.accept_rate[classes], active, state.idle_steps, proposal_scale,
                             state.probe_wait)
@@ -381,9 +389,9 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
                      size_hist=state.size_hist.at[index].add(1), class_counts=state.class_counts + counts)
 
 
-def draft_classes(drafter) -> int:
+def draft_classes(drafter: DrafterSpec | None) -> int:
   """How many classes the drafter sorts sequences into before it proposes (draft_length rates; 1 = no classes)."""
-  return getattr(drafter, "draft_classes", 1) if drafter is not None else 1
+  return drafter.draft_classes if drafter is not None else 1
 
 
 def step_at(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
@@ -517,7 +525,7 @@ def _step_rows(config: GenerationConfig, params: GenerationParams, inputs: Gener
 # --- a step's two halves (the benchmark times each alone) ------------------------------------------------------
 
 def draft(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
-          size: int, key) -> tuple[jax.Array, jax.Array | None, object]:
+          size: int, key: jax.Array) -> tuple[jax.Array, jax.Array | None, object]:
   """The draft half of a step: the drafter's proposal from `state`, (drafts [B, size], their probabilities q or
   None, the drafter state after proposing); with `config.tree`, the tree's node tokens [B, N] (greedy, q None). A
   size of 0 still runs the proposal for drafters that catch up on committed tokens there (one token, unused)."""
@@ -528,7 +536,8 @@ def draft(config: GenerationConfig, params: GenerationParams, inputs: Generation
   return config.drafter.propose(params.drafter, state.drafter_state, ctx, key, max(size, 1), config.sample)
 
 
-def verify_pass(model, cache: KVCache, block, *, taps: tuple = (), tree: DraftTree | None = None):
+def verify_pass(model: Transformer, cache: KVCache, block: jax.Array, *, taps: tuple = (),
+                tree: DraftTree | None = None) -> ForwardOutput:
   """The verify half: the target's one pass over `block` = [pending, drafts] [B, R] on `cache`, which it only reads
   (the step writes the verified rows after): logits, the drafter's taps and the rows' K/V. With `tree`, block holds
   a tree's rows, row i at the cache length plus its depth, seeing the cache and its ancestors."""
@@ -542,7 +551,7 @@ NO_STEP_LIMIT = np.iinfo(np.int32).max
 
 
 def decode(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, state: EngineState,
-           stop_step=NO_STEP_LIMIT) -> EngineState:
+           stop_step: int | jax.Array = NO_STEP_LIMIT) -> EngineState:
   """`step` until every sequence is done (EOS or max_new tokens), or until `state.step` reaches `stop_step` (a
   traced bound: a caller that streams text runs the loop a few steps at a time with one compiled program)."""
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < stop_step),
@@ -586,7 +595,8 @@ prefill_program = jax.jit(prefill_and_start, static_argnums=0, compiler_options=
 decode_program = jax.jit(decode, static_argnums=0, donate_argnums=3, compiler_options=COMPILER_OPTIONS)
 
 
-def compile_programs(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs):
+def compile_programs(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs
+                     ) -> tuple[Callable[..., EngineState], Callable[..., EngineState]]:
   """The (prefill, decode) executables for this call's shapes, compiled ahead of time (or loaded from JAX's
   persistent cache when it is on), so that a caller can time compilation apart from generation. `run` takes
   them; without them it uses the module-level jitted programs, which compile on first use."""
@@ -596,8 +606,10 @@ def compile_programs(config: GenerationConfig, params: GenerationParams, inputs:
   return (lambda p, i: prefill_exe(p, i)), (lambda p, i, st, stop: decode_exe(p, i, st, stop))
 
 
-def run(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs, on_steps=None,
-        steps_per_call: int = 4, programs=None) -> tuple[EngineState, float, float]:
+def run(config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs,
+        on_steps: Callable[[EngineState], None] | None = None, steps_per_call: int = 4,
+        programs: tuple[Callable[..., EngineState], Callable[..., EngineState]] | None = None
+        ) -> tuple[EngineState, float, float]:
   """Both programs back to back: (final state, prefill seconds, decode seconds). With `on_steps(state)`, the
   decode loop runs `steps_per_call` steps per call and `on_steps` sees the state after the prefill and after each
   call (to stream text); the same compiled program serves every call. `programs`: from `compile_programs`."""
@@ -625,7 +637,7 @@ def output_tokens(out: GenerationOutput | EngineState, inputs: GenerationInputs)
   return [buf[b, lens[b]:lens[b] + num_new[b]].tolist() for b in range(len(lens))]
 
 
-def spec_stats(accept_hist, active_steps, num_new, steps) -> dict:
+def spec_stats(accept_hist: jax.Array, active_steps: jax.Array, num_new: jax.Array, steps: jax.Array | int) -> dict:
   """tau (tokens committed per verification pass of an active sequence), per-position acceptance and counts."""
   hist, active_steps, num_new = np.asarray(accept_hist), np.asarray(active_steps), np.asarray(num_new)
   k = len(hist) - 1

@@ -13,6 +13,7 @@ over the target's heads, MLP and vocabulary) and the multi-host placement.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
@@ -25,7 +26,8 @@ from longspec_jax.kv_cache import COMPILER_OPTIONS
 
 
 def generation_shardings(mesh: Mesh, config: GenerationConfig, params: GenerationParams,
-                         rules=shd.DATA_PARALLEL_RULES) -> tuple[tuple, GenerationOutput]:
+                         rules: Iterable[tuple[str, str | None]] = shd.DATA_PARALLEL_RULES
+                         ) -> tuple[tuple, GenerationOutput]:
   """(in_shardings, out_shardings) for `jax.jit(functools.partial(generate_arrays, config), ...)` on `mesh`: the
   batch on "data", parameters by their logical axes under `rules` (replicated for data parallelism,
   `shd.TENSOR_PARALLEL_RULES` to split heads, MLP and vocabulary over "model")."""
@@ -40,7 +42,9 @@ def generation_shardings(mesh: Mesh, config: GenerationConfig, params: Generatio
 
 
 def place_generation(mesh: Mesh, config: GenerationConfig, params: GenerationParams, inputs: GenerationInputs,
-                     rules=shd.DATA_PARALLEL_RULES):
+                     rules: Iterable[tuple[str, str | None]] = shd.DATA_PARALLEL_RULES
+                     ) -> tuple[Callable[[GenerationParams, GenerationInputs], GenerationOutput], GenerationParams,
+                                GenerationInputs]:
   """(jitted generation, params, inputs) laid out on `mesh` by `generation_shardings`. Works when the mesh spans
   several processes (multi-host): every process calls it with the same host values; parameters are placed from
   host copies and each process hands over only its own rows of the batch. Gather the output with

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from longspec_jax.inference import engine
+
+if TYPE_CHECKING:
+  from longspec_jax.draft_tree import DraftTree
+  from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
+  from longspec_jax.inference.draft_length import DraftLengthRule
+  from longspec_jax.model import Transformer
 
 
 @dataclasses.dataclass
@@ -24,9 +30,11 @@ class GenerationResult:
   stats: dict = dataclasses.field(default_factory=dict)  # speculative: tau, acceptance per position, K
 
 
-def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
-             drafter=None, num_draft: int | None = None, draft_length=None, tree=None) -> GenerationResult:
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             drafter: LoadedDrafter | DrafterSpec | None = None, num_draft: int | None = None,
+             draft_length: DraftLengthRule | str | None = None,
+             tree: DraftTree | str | None = None) -> GenerationResult:
   """Generates up to `max_new_tokens` per prompt (stops per sequence at EOS). Greedy when temperature == 0.
 
   With `drafter` (from `load_drafter`), runs speculative decoding (lossless) with K = `num_draft` drafts per

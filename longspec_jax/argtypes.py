@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 
 def int_arg(text: str) -> int:
@@ -23,7 +25,7 @@ def _float(text: str) -> float:
   return v
 
 
-def checked(parse, ok, requirement: str):
+def checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], requirement: str) -> Callable[[str], Any]:
   """An argparse type: `parse(text)`, refused with "must be <requirement>" unless `ok(value)`."""
   def convert(text: str):
     v = parse(text)
@@ -63,7 +65,7 @@ class Parser(argparse.ArgumentParser):
   """An ArgumentParser whose usage errors are one line naming the problem (not the whole usage block), exit code 2.
   Subcommand parsers are of the same class (argparse makes them with the parent's type)."""
 
-  def error(self, message: str):
+  def error(self, message: str) -> NoReturn:
     self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -79,7 +81,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     return h
 
 
-def add_command(subparsers, name: str, summary: str, description: str, epilog: str | None = None):
+def add_command(subparsers: argparse._SubParsersAction, name: str, summary: str, description: str,
+                epilog: str | None = None) -> argparse.ArgumentParser:
   """A subcommand whose --help shows `description` (and `epilog`) as written and every flag's default."""
   return subparsers.add_parser(name, help=summary, description=description, epilog=epilog,
                                formatter_class=HelpFormatter)

@@ -31,7 +31,8 @@ def _kv_major(x):
   return x.transpose(0, 2, 1, 3).reshape(b * h, s, d)
 
 
-def causal_attention(q, k, v, *, block: int = 512, scale: float | None = None):
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 512,
+                     scale: float | None = None) -> jax.Array:
   """Causal self-attention over T new tokens. q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D].
 
   Online softmax over key blocks; key blocks after the query block are skipped (lax.cond), so work and memory
@@ -91,7 +92,8 @@ def causal_attention(q, k, v, *, block: int = 512, scale: float | None = None):
   return _ungroup(out, b, nb * blk, hq)[:, :t]
 
 
-def dense_masked_attention(q, k, v, visible, *, scale: float | None = None, return_lse: bool = False):
+def dense_masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *, scale: float | None = None,
+                           return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Dense attention with an explicit mask. q [B, T, Hq, D]; k/v [B, S, Hkv, D]; visible [B, T, S] bool, or
   [B, Hkv, T, S] for a mask per KV head (BudgetDraft training: each head keeps its own chunks)."""
   b, t, hq, d = q.shape
@@ -110,8 +112,10 @@ def dense_masked_attention(q, k, v, visible, *, scale: float | None = None, retu
   return out
 
 
-def extend_attention(q, k, v, k_cache, v_cache, positions, *, scale: float | None = None,
-                     return_lse: bool = False, new_visible=None, cache_end=None):
+def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     positions: jax.Array, *, scale: float | None = None, return_lse: bool = False,
+                     new_visible: jax.typing.ArrayLike | None = None,
+                     cache_end: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """T new rows against a static cache and, causally, each other. q [B, T, Hq, D] at positions [B, T]
   (increasing by one along T); the new rows' k/v [B, Tk, Hkv, D], Tk >= T: the last T belong to the queries,
   the first Tk - T are new rows just before them (a drafter's chain, kept out of the cache); k/v_cache

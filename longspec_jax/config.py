@@ -187,7 +187,7 @@ class ModelConfig:
   def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
     return cls.from_hf_dict(read_config_json(path))
 
-  def replace(self, **kw) -> "ModelConfig":
+  def replace(self, **kw: Any) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
 
 

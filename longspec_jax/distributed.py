@@ -9,6 +9,8 @@ exchange collectives through gloo.
 
 from __future__ import annotations
 
+from typing import Any
+
 SHUTDOWN_TIMEOUT_SECONDS = 3600
 
 
@@ -48,7 +50,7 @@ def agree(flag: bool) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(flag))
 
 
-def host_values(tree):
+def host_values(tree: Any) -> Any:
   """Every leaf as a numpy array holding its global value on every process (an all-gather when the leaves span
   processes). All processes must call it together."""
   import jax

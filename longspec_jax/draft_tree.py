@@ -19,8 +19,10 @@ import dataclasses
 import functools
 import heapq
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,7 +73,7 @@ class DraftTree:
     return ";".join(".".join(map(str, p)) for p in self.paths)
 
   @classmethod
-  def best_first(cls, rank_probs, num_nodes: int, max_depth: int | None = None) -> "DraftTree":
+  def best_first(cls, rank_probs: Sequence[float], num_nodes: int, max_depth: int | None = None) -> "DraftTree":
     """The `num_nodes` paths of highest probability when rank r is accepted with probability rank_probs[r]
     (independently at each depth), at most `max_depth` deep."""
     probs = [float(p) for p in rank_probs]
@@ -128,7 +130,7 @@ class DraftTree:
       mask[i] |= mask[parents[i]]
     return mask
 
-  def expected_accepted(self, rank_probs) -> float:
+  def expected_accepted(self, rank_probs: Sequence[float]) -> float:
     """1 + the sum over nodes of P(node accepted) under `rank_probs` (tau of a greedy step under that model)."""
     probs = list(rank_probs)
     return 1.0 + sum(float(np.prod([probs[r] if r < len(probs) else 0.0 for r in p])) for p in self.paths)
@@ -153,7 +155,8 @@ def load_tree(text: str) -> DraftTree:
   return DraftTree.parse(trees[size]["tree"])
 
 
-def verify_tree_greedy(target_logits, node_tokens, tree: DraftTree):
+def verify_tree_greedy(target_logits: jax.Array, node_tokens: jax.Array,
+                       tree: DraftTree) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Greedy verification of a tree. target_logits [B, N+1, V] at [root, nodes]; node_tokens [B, N]. Returns
   (num_accepted [B], committed [B, D+1], path [B, D+1]): path[:, d] is the accepted node at depth d (the root at 0;
   past num_accepted, a node of that depth, junk) and committed the target's argmax along it."""
@@ -175,7 +178,7 @@ def verify_tree_greedy(target_logits, node_tokens, tree: DraftTree):
   return num_accepted, jnp.take_along_axis(target_tokens, path, axis=1), path
 
 
-def gather_path(x, path, axis: int):
+def gather_path(x: jax.Array | None, path: jax.Array, axis: int) -> jax.Array | None:
   """x's rows along `path` [B, D+1] on `axis` (batch on the axis before it): a tree pass's rows as a chain's."""
   if x is None:
     return None

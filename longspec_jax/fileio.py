@@ -6,9 +6,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
-def write_json_atomic(path: Path, obj, indent: int = 2) -> None:
+def write_json_atomic(path: Path, obj: Any, indent: int = 2) -> None:
   """Writes `obj` as JSON under a temporary name, then renames it: a reader (another process, a crash, an
   interrupt) sees the old file or the new one, never a half-written one."""
   tmp = path.with_name(path.name + ".tmp")

@@ -12,9 +12,16 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+  from gguf import GGUFReader
+  from tokenizers import Tokenizer
+  from tqdm import tqdm
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TOKENIZERS = ("gpt2",)
@@ -54,7 +61,7 @@ def _field(reader, key, default=None):
   return default if f is None else f.contents()
 
 
-def hf_config(reader) -> dict:
+def hf_config(reader: GGUFReader) -> dict:
   """The HF Llama config.json for a GGUF file (from its `general.*`, `llama.*` and `tokenizer.ggml.*` keys)."""
   arch = _field(reader, "general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
@@ -105,7 +112,8 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_tensors(reader, cfg: dict, dtype=np.float32, progress=None):
+def hf_tensors(reader: GGUFReader, cfg: dict, dtype: type = np.float32,
+               progress: tqdm | None = None) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (HF name, dequantized array [out, in] in `dtype`) for every tensor of the file."""
   import gguf
   for t in reader.tensors:
@@ -131,7 +139,7 @@ def hf_tensors(reader, cfg: dict, dtype=np.float32, progress=None):
     yield name, a.astype(dtype)
 
 
-def hf_tokenizer(reader):
+def hf_tokenizer(reader: GGUFReader) -> tuple[Tokenizer, dict[str, str]]:
   """A `tokenizers.Tokenizer` (byte-level BPE) and the special-token strings, from `tokenizer.ggml.*`."""
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
   kind = _field(reader, "tokenizer.ggml.model")
@@ -168,7 +176,8 @@ def hf_tokenizer(reader):
   return tok, special
 
 
-def import_gguf(gguf_path, out_dir, dtype: str = "fp32", show_progress: bool = True) -> Path:
+def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp32",
+                show_progress: bool = True) -> Path:
   """Converts a GGUF file into an HF directory at `out_dir`, written atomically (a temporary sibling directory
   renamed into place), so an interrupted conversion never leaves a half-written model behind."""
   import ml_dtypes

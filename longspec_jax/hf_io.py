@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,9 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax.config import INT8_QUANT_METHOD, ModelConfig
+
+if TYPE_CHECKING:
+  from longspec_jax.model import Transformer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -41,7 +46,8 @@ def _flat_params(model: nnx.Module) -> dict[tuple, jax.Array]:
   return flat
 
 
-def to_hf_tensors(model: nnx.Module, dtype=np.float32, prefix: str = "model.") -> dict[str, np.ndarray]:
+def to_hf_tensors(model: nnx.Module, dtype: jax.typing.DTypeLike = np.float32,
+                  prefix: str = "model.") -> dict[str, np.ndarray]:
   out = {}
   for path, arr in _flat_params(model).items():
     name, transpose = _hf_name(path, prefix)
@@ -111,7 +117,7 @@ def quantize_int8_tensors(tensors: dict[str, np.ndarray], min_size: int = 65536)
   return out
 
 
-def write_int8_copy(src_dir, out_dir, min_size: int = 65536) -> dict:
+def write_int8_copy(src_dir: str | os.PathLike, out_dir: str | os.PathLike, min_size: int = 65536) -> dict:
   """A copy of checkpoint directory `src_dir` (single-file safetensors) whose large matrices are stored int8
   (`quantize_int8_tensors`); the other files are copied as they are. Written to a temporary directory renamed into
   place, so a crash leaves no half-written copy. Returns {"bytes_before", "bytes_after", "int8_tensors"}."""
@@ -184,21 +190,23 @@ def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: st
   return model
 
 
-def empty_model(build, param_dtype=None):
+def empty_model(build: Callable[[], nnx.Module], param_dtype: jax.typing.DTypeLike | None = None) -> nnx.Module:
   """The module `build()` makes, with zero-filled parameters of its abstract shapes (no random init): the shell a
   checkpoint is loaded into."""
   graphdef, abstract = nnx.split(nnx.eval_shape(build))
   return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, param_dtype or a.dtype), abstract))
 
 
-def load_drafter_weights(drafter_dir, build, rename=lambda name: name):
+def load_drafter_weights(drafter_dir: str | os.PathLike, build: Callable[[], nnx.Module],
+                         rename: Callable[[str], str] = lambda name: name) -> nnx.Module:
   """The module `build()` makes, loaded from a drafter directory's safetensors: bare tensor names (the public
   drafter layout), mapped to ours by `rename`."""
   tensors = {rename(k): v for k, v in _read_tensors(Path(drafter_dir)).items()}
   return load_params_into(empty_model(build), tensors, where=f" {drafter_dir}", prefix="")
 
 
-def save_drafter_dir(out_dir, hf_config: dict, tensors: dict[str, np.ndarray], dtype=np.float32) -> Path:
+def save_drafter_dir(out_dir: str | os.PathLike, hf_config: dict, tensors: dict[str, np.ndarray],
+                     dtype: jax.typing.DTypeLike = np.float32) -> Path:
   """config.json (torch_dtype set) + model.safetensors of fp32 HF-named `tensors` cast to `dtype`: the layout of
   the public drafter checkpoints (DFlash, LongSpark)."""
   from safetensors.numpy import save_file
@@ -212,8 +220,9 @@ def save_drafter_dir(out_dir, hf_config: dict, tensors: dict[str, np.ndarray], d
   return out_dir
 
 
-def load_model_dir(model_dir: str | os.PathLike, *, dtype=jnp.float32, check_tokenizer: bool = True,
-                   config_fn=None, param_dtype=None, **model_kw):
+def load_model_dir(model_dir: str | os.PathLike, *, dtype: jax.typing.DTypeLike = jnp.float32,
+                   check_tokenizer: bool = True, config_fn: Callable[[ModelConfig], ModelConfig] | None = None,
+                   param_dtype: jax.typing.DTypeLike | None = None, **model_kw: Any) -> Transformer:
   """Loads an HF Qwen3/Llama checkpoint directory into a `Transformer`.
 
   dtype: compute dtype; param_dtype: parameter dtype (default fp32); config_fn: ModelConfig -> ModelConfig applied
@@ -238,8 +247,8 @@ def load_model_dir(model_dir: str | os.PathLike, *, dtype=jnp.float32, check_tok
   return model
 
 
-def save_model_dir(model, out_dir: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
-                   dtype=np.float32, max_shard_bytes: int | None = None) -> Path:
+def save_model_dir(model: Transformer, out_dir: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
+                   dtype: jax.typing.DTypeLike = np.float32, max_shard_bytes: int | None = None) -> Path:
   """Writes config.json + safetensors (sharded with an index when `max_shard_bytes` is set) + tokenizer files."""
   from safetensors.numpy import save_file
 

@@ -25,7 +25,8 @@ class KVCache:
   lengths: jax.Array  # [B] int32: committed positions per sequence
 
   @classmethod
-  def zeros(cls, num_layers, batch, max_len, kv_heads, head_dim, dtype=jnp.float32) -> "KVCache":
+  def zeros(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+            dtype: jax.typing.DTypeLike = jnp.float32) -> "KVCache":
     shape = (batch, kv_heads, max_len, head_dim)
     return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -43,12 +44,12 @@ class KVCache:
   def nbytes(self) -> int:
     return sum(x.nbytes for x in self.k + self.v) + self.lengths.nbytes
 
-  def write_prefix(self, layer: int, k, v) -> "KVCache":
+  def write_prefix(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
     """Writes rows [B, T, Hkv, D] at positions 0..T-1 of every sequence (prefill)."""
     put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.transpose(0, 2, 1, 3).astype(buf.dtype), (0, 0, 0, 0))
     return self._set(layer, put(self.k[layer], k), put(self.v[layer], v))
 
-  def write(self, layer: int, k, v, positions) -> "KVCache":
+  def write(self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array) -> "KVCache":
     """Writes rows [B, T, Hkv, D] at each sequence's own positions [B, T]; positions >= S_max are dropped."""
     rows = jnp.arange(k.shape[0])[:, None]
     # Advanced indices on axes 0 and 2 around a slice: the indexed block is [B, T, Hkv, D], k's own layout.

@@ -10,7 +10,7 @@ The cache's `lengths` are not advanced here: the caller commits as many rows as 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -30,7 +30,7 @@ def _param(rngs, shape, axes, init=None, dtype=jnp.float32):
   return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
 
 
-def matmul(x, w, spec: str, out_dtype=None):
+def matmul(x: jax.Array, w: jax.Array, spec: str, out_dtype: jax.typing.DTypeLike | None = None) -> jax.Array:
   """`einsum(spec, x, w)` in out_dtype (default x's dtype).
 
   Weights stored narrower than the activations (bf16 weights, fp32 activations) are multiplied as stored, and x is
@@ -56,7 +56,8 @@ def matmul(x, w, spec: str, out_dtype=None):
 INT8_PARTS = 3  # int8 parts per activation row in int8_matmul (see there)
 
 
-def int8_matmul(x, w_int8, w_scale, spec: str, out_dtype=None):
+def int8_matmul(x: jax.Array, w_int8: jax.Array, w_scale: jax.Array, spec: str,
+                out_dtype: jax.typing.DTypeLike | None = None) -> jax.Array:
   """`einsum(spec, x, w)` for int8 weights w = w_int8 * w_scale (one fp32 scale per output channel).
 
   The products are integer products (int8 x int8, int32 sums: exact, whatever rows share them), which XLA:CPU runs
@@ -87,7 +88,7 @@ def int8_matmul(x, w_int8, w_scale, spec: str, out_dtype=None):
   return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype or x.dtype)
 
 
-def quantize_per_channel(w, axis: int):
+def quantize_per_channel(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   """(int8 values, fp32 scales): w ~ values * scales, symmetric, one scale (max |w| / 127) per index along `axis`
   (the output channel)."""
   w = w.astype(jnp.float32)
@@ -147,7 +148,8 @@ class Attention(nnx.Module):
       self.q_norm = self.k_norm = None
     self.cfg = cfg
 
-  def qkv(self, x, positions, rope):
+  def qkv(self, x: jax.Array, positions: jax.Array,
+          rope: tuple[jax.Array, float]) -> tuple[jax.Array, jax.Array, jax.Array]:
     cfg = self.cfg
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
@@ -158,7 +160,7 @@ class Attention(nnx.Module):
     inv_freq, scaling = rope
     return apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling), v
 
-  def out(self, o):
+  def out(self, o: jax.Array) -> jax.Array:
     b, t = o.shape[:2]
     return self.o_proj(o.reshape(b, t, -1))
 
@@ -243,10 +245,10 @@ class Transformer(nnx.Module):
     self.head_scale = nnx.Param(scale, logical_axes=("vocab",))
     return self
 
-  def embed(self, tokens):
+  def embed(self, tokens: jax.Array) -> jax.Array:
     return self.embed_tokens.embedding[...][tokens].astype(self.dtype)
 
-  def logits_from_hidden(self, h):
+  def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     """Final-normed hidden [.., H] -> fp32 logits via the (possibly tied) LM head."""
     if self.head_int8 is not None:
       return int8_matmul(h, self.head_int8[...], self.head_scale[...], "...h,vh->...v", jnp.float32)
@@ -316,7 +318,7 @@ class Transformer(nnx.Module):
         new_kv=(jnp.stack(new_k), jnp.stack(new_v)) if return_kv else None,
         hidden=h)
 
-  def last_query_attention_logits(self, tokens) -> list[jax.Array]:
+  def last_query_attention_logits(self, tokens: jax.Array) -> list[jax.Array]:
     """Per layer, the pre-softmax logits (1/sqrt(d) applied) of the last token's query against all T keys of
     `tokens` [B, T] (causal, no cache): [B, Hq, 1, T] each. SharpDraft calibrates on them."""
     cfg = self.cfg
@@ -335,7 +337,7 @@ class Transformer(nnx.Module):
         x = layer(x, positions, rope, None, li, "train", self.attn_block)[0]
     return out
 
-  def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+  def init_cache(self, batch: int, max_len: int, dtype: jax.typing.DTypeLike | None = None) -> KVCache:
     cfg = self.cfg
     return KVCache.zeros(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
                          dtype or self.dtype)
@@ -345,11 +347,11 @@ def param_count(model: nnx.Module) -> int:
   return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def create_model(cfg: ModelConfig, seed: int = 0, **kw) -> Transformer:
+def create_model(cfg: ModelConfig, seed: int = 0, **kw: Any) -> Transformer:
   return Transformer(cfg, rngs=nnx.Rngs(seed), **kw)
 
 
-def default_target_config(vocab_size: int = 8192, **overrides) -> ModelConfig:
+def default_target_config(vocab_size: int = 8192, **overrides: Any) -> ModelConfig:
   """The shipped default target: 8-layer d256 Qwen3-style model (~9M parameters, tied embeddings)."""
   from longspec_jax.config import RopeConfig
   base = dict(family="qwen3", vocab_size=vocab_size, hidden_size=256, intermediate_size=768,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,7 +53,7 @@ def _llama3(r: RopeConfig, dim: int) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_frequencies(cfg: ModelConfig, max_position=None):
+def rope_frequencies(cfg: ModelConfig, max_position: int | jax.Array | None = None) -> tuple[jax.Array, float]:
   """Returns (inv_freq [head_dim/2], attention_scaling). `max_position` (traced ok) is only read by the dynamic
   NTK type, which like HF rescales its base from the largest position in the current forward."""
   r, dim = cfg.rope, cfg.head_dim
@@ -73,7 +74,7 @@ def rope_frequencies(cfg: ModelConfig, max_position=None):
   return 1.0 / base ** jnp.asarray(exponents), 1.0
 
 
-def apply_rope(x, positions, inv_freq, scaling: float = 1.0):
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scaling: float = 1.0) -> jax.Array:
   """x [B, T, H, D], positions [B, T] -> rotated x (HF rotate-half convention), computed in fp32."""
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
   cos = (jnp.cos(angles) * scaling)[:, :, None, :]

@@ -20,7 +20,7 @@ class SamplingParams:
   top_p: jax.Array  # [] float32; 1 = off
 
   @classmethod
-  def make(cls, temperature=0.0, top_k=0, top_p=1.0) -> "SamplingParams":
+  def make(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
     if temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k < 0:
@@ -46,7 +46,7 @@ def _filter_top_k_top_p(scaled, sp: SamplingParams):
   return jnp.where(scaled >= cutoff, scaled, NEG_INF)
 
 
-def processed_log_probs(logits, sp: SamplingParams):
+def processed_log_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """logits [..., V] -> log-probabilities after temperature, top-k and top-p (masked entries -> NEG_INF)."""
   logits = logits.astype(jnp.float32)
   temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
@@ -58,7 +58,7 @@ def processed_log_probs(logits, sp: SamplingParams):
   return jax.nn.log_softmax(scaled, axis=-1)
 
 
-def sample_token(key, logits, sp: SamplingParams):
+def sample_token(key: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """[B, V] logits -> [B] tokens: argmax when temperature == 0, else a sample of the processed distribution."""
   def sampled(logits):
     return jax.random.categorical(key, processed_log_probs(logits, sp), axis=-1).astype(jnp.int32)

@@ -4,7 +4,7 @@ dimensions (heads, MLP, vocab) to "model"."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -15,7 +15,7 @@ DATA_PARALLEL_RULES = ()
 TENSOR_PARALLEL_RULES = (("q_heads", "model"), ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model"))
 
 
-def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
+def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(devices if devices is not None else jax.devices())
   data = data or len(devices) // model
   if data * model != len(devices):
@@ -23,12 +23,12 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(data, model), ("data", "model"))
 
 
-def logical_to_spec(axes, rules) -> P:
+def logical_to_spec(axes: Sequence[str | None], rules: Iterable[tuple[str, str | None]]) -> P:
   rules = dict(rules)
   return P(*(rules.get(a) for a in axes))
 
 
-def param_shardings(state, mesh: Mesh, rules=DATA_PARALLEL_RULES):
+def param_shardings(state: Any, mesh: Mesh, rules: Iterable[tuple[str, str | None]] = DATA_PARALLEL_RULES) -> Any:
   """NamedSharding for every nnx.Param leaf of `state` from its `logical_axes` metadata."""
   def one(v):
     axes = v.get_metadata().get("logical_axes") if isinstance(v, nnx.Variable) else None
@@ -46,7 +46,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def process_batch(build_rows: Callable[[slice], Any], batch_size: int, mesh: Mesh):
+def process_batch(build_rows: Callable[[slice], Any], batch_size: int, mesh: Mesh) -> Any:
   """The global batch (every leaf [batch_size, ...]) as jax.Arrays sharded on "data", each process building only
   the rows its own devices hold: `build_rows(rows)` returns rows[lo:hi] of every leaf of the global batch, and
   `jax.make_array_from_process_local_data` assembles the processes' parts (one process builds every row)."""
@@ -61,7 +61,7 @@ def process_batch(build_rows: Callable[[slice], Any], batch_size: int, mesh: Mes
   return jax.tree.map(one, build_rows(slice(lo, hi)))
 
 
-def global_batch(batch, mesh: Mesh):
+def global_batch(batch: Any, mesh: Mesh) -> Any:
   """A host batch that every process holds whole (every leaf [B, ...]) -> jax.Arrays sharded on "data", each
   process handing over only its own rows."""
   size = len(jax.tree.leaves(batch)[0])

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,10 @@ from longspec_jax.hf_io import weights_sha256
 from longspec_jax.pallas_kernels.length_masked_attention.reference import sharpdraft_rho
 
 from longspec_jax.sharpdraft_names import ALPHA_RULES, CHOICES, GRANULARITIES, RULES, SHARPDRAFT_FILE
+
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike
+  from numpy.typing import ArrayLike as NpArrayLike
 FORMAT_VERSION = 1
 OUTLIER_FALSE_RATE = 0.05  # expected background keys per query wrongly counted as relevant
 
@@ -40,7 +46,7 @@ OUTLIER_FALSE_RATE = 0.05  # expected background keys per query wrongly counted 
 # ---------------------------------------------------------------------------------------------------- rules
 
 
-def exact_rho(n, n0, delta, sigma, k):
+def exact_rho(n: ArrayLike, n0: float, delta: ArrayLike, sigma: ArrayLike, k: ArrayLike) -> jax.Array:
   """Exact rule, elementwise (jnp, traced n ok; parameters broadcast against n). rho = 1 for n <= n0.
 
   The left side f(rho) = rho Delta - rho^2 sigma^2 / 2 is a concave parabola with f(1) = right side at n0 and its
@@ -67,7 +73,7 @@ def exact_rho(n, n0, delta, sigma, k):
   return jnp.where(rises & (n > n0), jnp.maximum(rho, 1.0), 1.0)
 
 
-def tangent_alpha(n0, delta, sigma, k):
+def tangent_alpha(n0: float, delta: NpArrayLike, sigma: NpArrayLike, k: NpArrayLike) -> np.ndarray:
   """d rho / d ln n of the exact rule at n0: the fixed-slope alpha to first order. 0 where the rule gives rho = 1."""
   delta, s2 = np.asarray(delta, np.float64), np.asarray(sigma, np.float64) ** 2
   k = np.asarray(k, np.float64)
@@ -75,7 +81,7 @@ def tangent_alpha(n0, delta, sigma, k):
   return np.where(rises, n0 / ((n0 - k) * np.where(rises, delta - s2, 1.0)), 0.0)
 
 
-def fitted_alpha(n0, delta, sigma, k, n_max: int):
+def fitted_alpha(n0: float, delta: NpArrayLike, sigma: NpArrayLike, k: NpArrayLike, n_max: int) -> np.ndarray:
   """Least-squares slope of (exact rho - 1) on ln(n / n0) over a log grid n0..n_max: a fixed slope that follows
   the exact rule across the whole range instead of only at n0 (the exact rule is convex in ln n)."""
   x = np.log(np.geomspace(n0, n_max, 33)[1:] / n0)
@@ -115,7 +121,8 @@ class SharpDraft:
       raise ValueError(f"SharpDraft needs n0 >= 2 and every k < n0, got n0={self.n0}, max k={np.max(self.k)}")
 
   @classmethod
-  def from_stats(cls, rule: str, n0: int, delta, sigma, k, alpha=None) -> "SharpDraft":
+  def from_stats(cls, rule: str, n0: int, delta: NpArrayLike, sigma: NpArrayLike, k: NpArrayLike,
+                 alpha: NpArrayLike | None = None) -> "SharpDraft":
     """From [layer][head] arrays (alpha defaults to the tangent slope of the stats)."""
     alpha = tangent_alpha(n0, delta, sigma, k) if alpha is None else alpha
     return cls(rule, int(n0), _table(delta), _table(sigma), _table(k), _table(alpha))
@@ -131,7 +138,7 @@ class SharpDraft:
       return sharpdraft_rho(n, jnp.asarray(self.alpha[layer], jnp.float32), self.n0)
     return exact_rho(n, self.n0, self.delta[layer], self.sigma[layer], self.k[layer])
 
-  def scale_queries(self, layer: int, q: jax.Array, num_keys) -> jax.Array:
+  def scale_queries(self, layer: int, q: jax.Array, num_keys: ArrayLike) -> jax.Array:
     """The SharpDraft hook, the one place queries are scaled (the target model's layers, DFlash, EAGLE-3): q [B, T,
     Hq, D] after q-norm and RoPE times rho of the keys each query sees, num_keys int broadcast to [B, T]. The
     product is taken in float32, then cast back to q's dtype."""
@@ -139,7 +146,7 @@ class SharpDraft:
     return (q.astype(jnp.float32) * rho[..., None]).astype(q.dtype)
 
 
-def scaled_logits(sharpdraft: SharpDraft | None, layer: int, logits):
+def scaled_logits(sharpdraft: SharpDraft | None, layer: int, logits: jax.Array) -> jax.Array:
   """Apply SharpDraft to `attention_logits` output [B, Hq, Tq, N] (each query sees its N keys)."""
   if sharpdraft is None:
     return logits
@@ -166,7 +173,7 @@ def query_outliers(scores: np.ndarray) -> np.ndarray:
   return np.sum(scores > med + z * np.maximum(mad, 1e-6), axis=-1)
 
 
-def top_k_mass(scores, k):
+def top_k_mass(scores: NpArrayLike, k: NpArrayLike) -> np.ndarray:
   """Softmax mass on the k largest of each row: scores [..., N], k int broadcast to scores[..., 0]."""
   scores = np.asarray(scores, np.float64)
   srt = -np.sort(-scores, axis=-1)
@@ -233,7 +240,7 @@ def calibrate(layer_scores: list[np.ndarray], granularity: str = "head", alpha_r
           "heads": heads}
 
 
-def load_sharpdraft(drafter_dir, rule: str, method: str = "NAME") -> SharpDraft:
+def load_sharpdraft(drafter_dir: str | os.PathLike, rule: str, method: str = "NAME") -> SharpDraft:
   """The calibrated SharpDraft stored beside a drafter checkpoint, with the given rule ("exact" | "fixed")."""
   path = Path(drafter_dir) / SHARPDRAFT_FILE
   if rule not in RULES:

@@ -12,8 +12,14 @@ import dataclasses
 import importlib.util
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from longspec_jax.config import ModelConfig, RopeConfig
+
+if TYPE_CHECKING:
+  from tokenizers import Tokenizer
+
+  from longspec_jax.model import Transformer
 
 ROPE_SCALING_TYPES = ("yarn", "linear", "dynamic")
 
@@ -114,7 +120,7 @@ TARGET_DTYPES = {"float32": ("float32", "float32"), "bfloat16": ("bfloat16", "bf
 
 
 def load_target(name_or_dir: str | os.PathLike | None = None, *, rope_scaling: str | None = None,
-                dtype: str = "float32", show_progress: bool = True):
+                dtype: str = "float32", show_progress: bool = True) -> Transformer:
   """The target model (a `Transformer`): a named target, an HF directory, or the shipped default.
 
   rope_scaling: e.g. "yarn:2" to run past the trained context (SmolLM2-135M: 8192 -> 16384 positions).
@@ -137,7 +143,7 @@ def load_target(name_or_dir: str | os.PathLike | None = None, *, rope_scaling: s
   return model.quantize_int8() if dtype == "int8-weights" else model
 
 
-def load_tokenizer(name_or_dir: str | os.PathLike | None = None, *, show_progress: bool = True):
+def load_tokenizer(name_or_dir: str | os.PathLike | None = None, *, show_progress: bool = True) -> Tokenizer:
   """The `tokenizers.Tokenizer` of a target: the same name, directory or None (the shipped default) as
   `load_target`."""
   from longspec_jax.tokenizer import load_tokenizer as load_tokenizer_file

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+  from tokenizers import Tokenizer
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -13,7 +16,7 @@ MASK_TOKEN = "<|mask|>"  # reserved for block drafters (DFlash / PARD mask slots
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2):
+def train_bpe(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> Tokenizer:
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
   tok = Tokenizer(models.BPE())
@@ -30,7 +33,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int =
   return tok
 
 
-def save_hf_tokenizer(tok, out_dir: str | os.PathLike, model_max_length: int = 32768) -> None:
+def save_hf_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, model_max_length: int = 32768) -> None:
   """Writes tokenizer.json + tokenizer_config.json + special_tokens_map.json (AutoTokenizer-loadable)."""
   from transformers import PreTrainedTokenizerFast
 
@@ -45,7 +48,7 @@ def save_hf_tokenizer(tok, out_dir: str | os.PathLike, model_max_length: int = 3
   fast.save_pretrained(str(out_dir))
 
 
-def load_tokenizer(model_dir: str | os.PathLike):
+def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
   """Loads `tokenizer.json` as a `tokenizers.Tokenizer` (fast, no torch) with clear errors."""
   from tokenizers import Tokenizer
 
@@ -58,13 +61,13 @@ def load_tokenizer(model_dir: str | os.PathLike):
     raise ValueError(f"corrupt tokenizer file {path}: {e}") from e
 
 
-def encode_prompt(tok, text: str, bos_token_id: int | None) -> list[int]:
+def encode_prompt(tok: Tokenizer, text: str, bos_token_id: int | None) -> list[int]:
   """The token ids of a prompt: `bos_token_id` first when the target has one (ours: the id prepended to every
   prompt; SmolLM2's vocabulary says to prepend none, so its config has no BOS), then the text."""
   return ([bos_token_id] if bos_token_id is not None else []) + tok.encode(text).ids
 
 
-def special_token_ids(tok) -> dict[str, int]:
+def special_token_ids(tok: Tokenizer) -> dict[str, int]:
   ids = {name: tok.token_to_id(t) for name, t in (("eos", EOS_TOKEN), ("pad", PAD_TOKEN), ("mask", MASK_TOKEN))}
   return {k: v for k, v in ids.items() if v is not None}
 
@@ -78,7 +81,7 @@ def eos_token_of(model_dir: str | os.PathLike) -> str:
   return eos or EOS_TOKEN
 
 
-def check_tokenizer_matches(tok, vocab_size: int, eos_token_id: int | None, where: str = "",
+def check_tokenizer_matches(tok: Tokenizer, vocab_size: int, eos_token_id: int | None, where: str = "",
                             eos_token: str = EOS_TOKEN) -> None:
   """A tokenizer whose ids exceed the model's vocabulary, or whose EOS differs, is the wrong tokenizer."""
   n = tok.get_vocab_size()

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from longspec_jax.sampling import SamplingParams, processed_log_probs
 
 
-def verify_greedy(target_logits, drafts):
+def verify_greedy(target_logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
   """target_logits [B, K+1, V], drafts [B, K] -> (num_accepted [B], committed [B, K+1])."""
   target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
   match = (drafts == target_tokens[:, :-1]).astype(jnp.int32)
@@ -24,7 +24,8 @@ def verify_greedy(target_logits, drafts):
   return num_accepted, target_tokens
 
 
-def verify_sampling(key, target_logits, drafts, draft_probs, sp: SamplingParams):
+def verify_sampling(key: jax.Array, target_logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array,
+                    sp: SamplingParams) -> tuple[jax.Array, jax.Array]:
   """Rejection sampling. draft_probs [B, K, V] are the drafter's processed probabilities q."""
   b, k1, v = target_logits.shape
   k = k1 - 1

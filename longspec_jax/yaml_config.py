@@ -6,8 +6,11 @@ import dataclasses
 import os
 import typing
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
+
+_T = TypeVar("_T")
 
 
 def _coerce(tp, value, where):
@@ -22,7 +25,7 @@ def _coerce(tp, value, where):
   return value
 
 
-def from_dict(cls, d: dict, where: str = "config"):
+def from_dict(cls: type[_T], d: dict, where: str = "config") -> _T:
   if not isinstance(d, dict):
     raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
   fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -49,7 +52,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
   return d
 
 
-def load_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None):
+def load_yaml(cls: type[_T], path: str | os.PathLike, overrides: list[str] | None = None) -> _T:
   path = Path(path)
   if not path.exists():
     raise FileNotFoundError(f"config file {path} not found")

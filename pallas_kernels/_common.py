@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,7 +43,8 @@ TPU_BLOCK_SIZES = BlockSizes(block_kv=512, chunks_per_step=16, num_splits=1)
 GPU_BLOCK_SIZES = BlockSizes(block_kv=64, chunks_per_step=8, num_splits=16)
 
 
-def check_attention_inputs(q, k, v, lengths) -> tuple[int, int, int, int, int, int]:
+def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array,
+                           lengths: jax.typing.ArrayLike) -> tuple[int, int, int, int, int, int]:
   """Validates q [B,Tq,Hq,D], k/v [B,S,Hkv,D], lengths [B]; returns (B, Tq, Hq, D, S, Hkv)."""
   if q.ndim != 4:
     raise ValueError(f"q must be [batch, q_len, q_heads, head_dim], got shape {q.shape}")
@@ -66,7 +68,7 @@ def check_attention_inputs(q, k, v, lengths) -> tuple[int, int, int, int, int, i
   return b, tq, hq, d, s, hkv
 
 
-def check_chunk_idx(chunk_idx, batch: int, kv_heads: int) -> int:
+def check_chunk_idx(chunk_idx: jax.typing.ArrayLike, batch: int, kv_heads: int) -> int:
   """Validates chunk indices [B, Hkv, n_selected]; returns n_selected."""
   shape = jnp.shape(chunk_idx)
   if len(shape) != 3 or shape[:2] != (batch, kv_heads):
@@ -94,7 +96,8 @@ def num_selected_chunks(budget: int, chunk_size: int) -> int:
   return budget // chunk_size
 
 
-def scale_params(rho, alpha, n0, batch: int, q_heads: int) -> tuple[str, jax.Array]:
+def scale_params(rho: jax.typing.ArrayLike | None, alpha: jax.typing.ArrayLike | None, n0: float | None, batch: int,
+                 q_heads: int) -> tuple[str, jax.Array]:
   """Returns (mode, per-(sequence, q head) parameter [B, Hq] f32): rho itself, or alpha for the fixed slope."""
   if rho is not None and alpha is not None:
     raise ValueError("pass either rho (given scales) or alpha (fixed-slope rule), not both")
@@ -114,7 +117,7 @@ def scale_params(rho, alpha, n0, batch: int, q_heads: int) -> tuple[str, jax.Arr
   return mode, param
 
 
-def to_rows(x, kv_heads: int):
+def to_rows(x: jax.Array, kv_heads: int) -> jax.Array:
   """[B, Tq, Hq, ...] -> [B, Hkv, Tq*G, ...]: the query rows that share one kv head become one block."""
   b, tq, hq = x.shape[:3]
   g = hq // kv_heads
@@ -123,7 +126,7 @@ def to_rows(x, kv_heads: int):
   return x.reshape(b, kv_heads, tq * g, *x.shape[4:])
 
 
-def from_rows(x, q_len: int):
+def from_rows(x: jax.Array, q_len: int) -> jax.Array:
   """Inverse of to_rows: [B, Hkv, Tq*G, ...] -> [B, Tq, Hq, ...]."""
   b, hkv, r = x.shape[:3]
   g = r // q_len
@@ -132,7 +135,7 @@ def from_rows(x, q_len: int):
   return x.reshape(b, q_len, hkv * g, *x.shape[4:])
 
 
-def merge_by_lse(outs, lses, axis: int):
+def merge_by_lse(outs: jax.Array, lses: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   """Merges attention results stacked on `axis` by their log-sum-exp (outs has one more trailing dim)."""
   lses = lses.astype(jnp.float32)
   m = jnp.max(lses, axis=axis, keepdims=True)
@@ -165,7 +168,7 @@ def resolve_impl(impl: str, tpu_reason: str | None, gpu_reason: str | None) -> s
   return "reference"
 
 
-def tpu_interpret(interpret: Any):
+def tpu_interpret(interpret: Any) -> Any:
   """True -> TPU interpret mode (simulates VMEM, DMAs, semaphores); an InterpretParams passes through."""
   if interpret is True:
     from jax.experimental.pallas import tpu as pltpu
@@ -181,7 +184,7 @@ def next_power_of_2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
 
-def check_lowering(fn, platform: str, *args):
+def check_lowering(fn: Callable[..., Any], platform: str, *args: Any) -> jax.export.Exported:
   """Exports jit(fn) for `platform` ("tpu" or "cuda") from any host; raises if a kernel does not lower.
 
   args are jax.ShapeDtypeStruct (or arrays). Triton custom calls carry no serialization-compatibility

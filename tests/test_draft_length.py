@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
+from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter, one_hot_probs
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
 from longspec_jax.drafters.pard import standalone_from_model
 from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, next_probe_wait,
@@ -23,7 +23,7 @@ from tests.test_speculative import (N_POS, N_SAMPLES, PREFIX, V, _cfg, _chi2_pva
 
 
 @dataclasses.dataclass(frozen=True)
-class ConstantDrafter:
+class ConstantDrafter(DrafterSpec):
   """Drafts one fixed token every time: wrong whenever the target predicts anything else."""
   vocab_size: int
   token: int
@@ -45,7 +45,7 @@ class ConstantDrafter:
 
 
 @dataclasses.dataclass(frozen=True)
-class StretchDrafter:
+class StretchDrafter(DrafterSpec):
   """Always right (the inner drafter is the target itself) in odd stretches of 8 committed tokens, always wrong in
   even ones, and it says which stretch it is in before proposing: two draft classes."""
   inner: Any

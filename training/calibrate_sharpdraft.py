@@ -18,6 +18,10 @@ from longspec_jax.sharpdraft_names import SHARPDRAFT_FILE
 
 if TYPE_CHECKING:
   import numpy as np
+  from tokenizers import Tokenizer
+
+  from longspec_jax.drafters.base import LoadedDrafter
+  from longspec_jax.model import Transformer
 
 # The methods SharpDraft applies to (registry entries with sharpdraft=True; their specs have attention_logits).
 DRAFTERS = SHARPDRAFT_METHODS
@@ -38,8 +42,8 @@ def _windows_from_streams(streams: list[list[int]], n0: int, num: int, bos: int 
   return np.asarray(rows, np.int32)
 
 
-def calibration_windows(tok, n0: int, num: int, bos: int | None, corpus_dir, drafter_meta: dict,
-                        seed: int = 0) -> tuple[np.ndarray, str]:
+def calibration_windows(tok: Tokenizer, n0: int, num: int, bos: int | None, corpus_dir: str | Path,
+                        drafter_meta: dict, seed: int = 0) -> tuple[np.ndarray, str]:
   import numpy as np
   """[num, n0] token windows and a description of their source."""
   corpus_dir = Path(corpus_dir)
@@ -75,7 +79,7 @@ def _queries(logits: np.ndarray) -> np.ndarray:
   return logits.transpose(0, 2, 1, 3).reshape(b * tq, h, n)
 
 
-def drafter_scores(loaded, target, windows: np.ndarray, batch: int) -> list[np.ndarray]:
+def drafter_scores(loaded: LoadedDrafter, target: Transformer, windows: np.ndarray, batch: int) -> list[np.ndarray]:
   """Per drafter attention layer: logits [Q, Hq, N] of every query that sees all N keys of its window."""
   import jax
   import numpy as np
@@ -93,9 +97,10 @@ def drafter_scores(loaded, target, windows: np.ndarray, batch: int) -> list[np.n
   return per_layer
 
 
-def run_calibration(drafter: str, drafter_dir=None, model_dir=None, corpus_dir="data/corpus",
-                    granularity: str = "head", alpha_rule: str = "tangent", fit_max_keys: int = 16384,
-                    num_windows: int = 256, batch: int = 8, seed: int = 0, n0: int | None = None, out=None) -> Path:
+def run_calibration(drafter: str, drafter_dir: str | Path | None = None, model_dir: str | Path | None = None,
+                    corpus_dir: str | Path = "data/corpus", granularity: str = "head", alpha_rule: str = "tangent",
+                    fit_max_keys: int = 16384, num_windows: int = 256, batch: int = 8, seed: int = 0,
+                    n0: int | None = None, out: str | Path | None = None) -> Path:
   from longspec_jax.drafters import load_drafter, drafter_path
   from longspec_jax.hf_io import load_model_dir, weights_sha256
   from longspec_jax.sharpdraft import calibrate

@@ -15,8 +15,13 @@ import platform
 import sys
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+  import datasets
+  from tokenizers import Tokenizer
 
 SPLITS = ("train", "validation", "test", "long_test")
 
@@ -108,7 +113,7 @@ def build_corpus(out_dir: str | os.PathLike, cfg: CorpusConfig = CorpusConfig(),
   return out_dir
 
 
-def load_corpus(corpus_dir: str | os.PathLike):
+def load_corpus(corpus_dir: str | os.PathLike) -> datasets.DatasetDict:
   import datasets
 
   corpus_dir = Path(corpus_dir)
@@ -119,7 +124,7 @@ def load_corpus(corpus_dir: str | os.PathLike):
   return datasets.load_from_disk(str(corpus_dir))
 
 
-def tokenize_split(tokenizer, texts: list[str], eos_id: int) -> np.ndarray:
+def tokenize_split(tokenizer: Tokenizer, texts: list[str], eos_id: int) -> np.ndarray:
   """Concatenates documents into one token stream, each followed by EOS (uint16 when the vocab fits)."""
   ids = []
   for enc in tokenizer.encode_batch(texts) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, texts):

@@ -30,10 +30,20 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from longspec_jax.fileio import write_json_atomic
+
+if TYPE_CHECKING:
+  from collections.abc import Callable, Iterable, Sequence
+
+  import jax
+  from flax import nnx
+  from tokenizers import Tokenizer
+
+  from longspec_jax.model import Transformer
 
 STORE_VERSION = 1
 INDEX = "index.json"
@@ -103,7 +113,7 @@ def decode_features(bits: np.ndarray, dtype: str, scale: np.ndarray | None = Non
 
 # --- the window plan -------------------------------------------------------------------------------------------
 
-def token_stream(texts: list[str], tok, eos_id: int, seed: int) -> np.ndarray:
+def token_stream(texts: list[str], tok: Tokenizer, eos_id: int, seed: int) -> np.ndarray:
   """The train split's documents in a seeded order, tokenized and joined with EOS (int32)."""
   order = np.random.default_rng(seed).permutation(len(texts))
   ids = []
@@ -129,7 +139,8 @@ def on_policy_windows(num_windows: int, fraction: float, seed: int) -> np.ndarra
 ROW_CHUNK = 512  # LM-head rows at a time for the top-k: [512, V] fp32 logits instead of [window, V]
 
 
-def make_forward(target, cfg: DistillStoreConfig):
+def make_forward(target: Transformer, cfg: DistillStoreConfig
+                 ) -> Callable[[nnx.State, jax.Array], dict[str, jax.Array]]:
   """A jitted teacher-forced pass over one window [1, W] -> (taps, kv, topk_ids, topk_logprobs) for its rows."""
   import jax
   import jax.numpy as jnp
@@ -163,8 +174,8 @@ def make_forward(target, cfg: DistillStoreConfig):
   return forward
 
 
-def window_rows(forward, params, ids: np.ndarray, window_tokens: int, feature_dtype: str,
-                vocab_size: int) -> dict[str, np.ndarray]:
+def window_rows(forward: Callable[[nnx.State, jax.Array], dict[str, jax.Array]], params: nnx.State,
+                ids: np.ndarray, window_tokens: int, feature_dtype: str, vocab_size: int) -> dict[str, np.ndarray]:
   """One window's stored arrays. The window is padded to window_tokens (rounded up to ROW_CHUNK) so every window
   runs one compiled program; padding after the last token changes none of its rows (causal attention)."""
   import jax.numpy as jnp
@@ -320,7 +331,7 @@ class DistillStore:
     shard, w = self.windows[i]
     return np.asarray(self._array(shard, "tokens")[w["offset"]:w["offset"] + w["length"]], np.int32)
 
-  def read_rows(self, i: int, start: int, length: int, taps=None,
+  def read_rows(self, i: int, start: int, length: int, taps: Sequence[int] | None = None,
                 features: tuple[str, ...] = ("taps", "kv")) -> dict[str, np.ndarray]:
     """Rows [start, start + length) of window i (cut at its end), decoding only what is asked for: the stored
     taps at positions `taps` of the store's tap list (None = all) and the `features` named."""
@@ -342,7 +353,7 @@ class DistillStore:
                                   None if scale is None else np.asarray(scale))
     return out
 
-  def tap_positions(self, layers) -> list[int]:
+  def tap_positions(self, layers: Sequence[int]) -> list[int]:
     """Positions in the store's tap list of the residual-stream taps `layers`; an error names any not stored."""
     stored = list(self.settings["taps"])
     missing = [l for l in layers if l not in stored]
@@ -351,7 +362,7 @@ class DistillStore:
                        f"--taps including them")
     return [stored.index(l) for l in layers]
 
-  def argmax_counts(self, windows, vocab_size: int) -> np.ndarray:
+  def argmax_counts(self, windows: Iterable[int], vocab_size: int) -> np.ndarray:
     """[vocab_size] how often each token is the target's most likely next token over the given windows."""
     counts = np.zeros(vocab_size, np.int64)
     for i in windows:

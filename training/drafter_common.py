@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +22,14 @@ from longspec_jax.fileio import write_json_atomic
 from longspec_jax.training.drafter_data import load_drafter_data, weights_sha256
 from longspec_jax.training.losses import cross_entropy, topk_distillation
 
+if TYPE_CHECKING:
+  from datasets import Dataset
+  from numpy.typing import ArrayLike
 
-def data_target(manifest: dict, data_dir, target_dir: str = "") -> tuple[Path, ModelConfig]:
+  from longspec_jax.model import DecoderLayer, Linear, Transformer
+
+
+def data_target(manifest: dict, data_dir: str | Path, target_dir: str = "") -> tuple[Path, ModelConfig]:
   """The target of a drafter data dir: `target_dir`, or ("") the one its manifest records. Its vocabulary and mask
   id must be the data's."""
   target_dir = Path(target_dir or manifest["target_dir"])
@@ -39,7 +47,7 @@ def data_target(manifest: dict, data_dir, target_dir: str = "") -> tuple[Path, M
   return target_dir, target
 
 
-def load_data_dirs(data_dirs, target_dir: str = "") -> tuple[list[tuple], Path, ModelConfig]:
+def load_data_dirs(data_dirs: Sequence[str | Path], target_dir: str = "") -> tuple[list[tuple], Path, ModelConfig]:
   """([(dataset, manifest)] per data dir, target dir, target config): the first dir's target (or `target_dir`);
   every dir must come from a target with its vocabulary."""
   data, target = [], None
@@ -53,7 +61,7 @@ def load_data_dirs(data_dirs, target_dir: str = "") -> tuple[list[tuple], Path, 
   return data, target[0], target[1]
 
 
-def check_token_ids(rows, vocab_size: int) -> None:
+def check_token_ids(rows: Sequence[Sequence[int]], vocab_size: int) -> None:
   top = max(max(r) for r in rows)
   if top >= vocab_size:
     raise ValueError(f"drafter data has token id {top} >= the target's vocab_size {vocab_size}")
@@ -69,14 +77,15 @@ def split_indices(n: int, seed: int, val_fraction: float, min_val: int = 0) -> t
   return order[n_val:], order[:n_val]
 
 
-def split_rows(ds, cfg, vocab_size: int) -> tuple[list, np.ndarray, np.ndarray]:
+def split_rows(ds: Dataset, cfg: Any, vocab_size: int) -> tuple[list, np.ndarray, np.ndarray]:
   """(rows = prompt + continuation, train indices, val indices) of one drafter dataset (cfg: seed, val_fraction)."""
   rows = [list(p) + list(c) for p, c in zip(ds["prompt"], ds["continuation"])]
   check_token_ids(rows, vocab_size)
   return (rows, *split_indices(len(rows), cfg.seed, cfg.val_fraction))
 
 
-def draw_windows(lens, seed: int, step: int, batch_size: int, width: int, rows: slice, num_anchors: int = 0):
+def draw_windows(lens: np.ndarray, seed: int, step: int, batch_size: int, width: int, rows: slice, num_anchors: int = 0
+                 ) -> tuple[np.random.Generator, np.ndarray, np.ndarray, np.ndarray | None]:
   """Step `step`'s training windows over data rows of lengths `lens`, a pure function of (seed, step) so that a
   resumed run replays its batches: (rng, row picks, window starts, anchor draws u [., num_anchors] in [0, 1) or
   None). A row longer than `width` starts at a random offset. Every draw is made for the whole batch, then cut to
@@ -93,7 +102,8 @@ def pad_token(target: ModelConfig) -> int:
   return target.pad_token_id if target.pad_token_id is not None else target.eos_token_id or 0
 
 
-def make_tap_fn(target, taps, place=lambda params: params):
+def make_tap_fn(target: Transformer, taps: tuple[int, ...],
+                place: Callable[[nnx.State], nnx.State] = lambda params: params) -> Callable[[jax.Array], jax.Array]:
   """Jitted frozen-target forward: tokens [B, C] -> taps [B, C, n, H]. place: puts the target's parameters where
   the tokens will be (Run.replicate for a batch sharded over a mesh)."""
   graphdef, params = nnx.split(target)
@@ -110,14 +120,15 @@ def inverse_median_scale(abs_taps: list[np.ndarray]) -> np.ndarray:
   return (1.0 / np.maximum(np.median(np.concatenate(abs_taps), axis=0), 1e-3)).astype(np.float32)
 
 
-def fold_input_scale(linear, scale: np.ndarray) -> None:
+def fold_input_scale(linear: Linear, scale: np.ndarray) -> None:
   """linear(x * scale) == linear'(x) with linear' = linear with its input rows scaled: the exported drafter reads
   raw taps."""
   kernel = linear.kernel[...]
   linear.kernel[...] = (kernel.astype(jnp.float32) * jnp.asarray(scale).reshape(-1, 1)).astype(kernel.dtype)
 
 
-def train_to_export(run, loss_fn, batch_fn, *, tokens_fn, desc: str, evaluate=None):
+def train_to_export(run: Any, loss_fn: Callable, batch_fn: Callable[[int], dict], *, tokens_fn: Callable[[int], int],
+                    desc: str, evaluate: Callable[[Any], dict] | None = None) -> tuple[Any, Path | None]:
   """Trains `run` (see Run.train). Returns (trained local parameters, None) on the process that exports them, or
   (None, the directory to report): the checkpoints when stopped early, `final` on the other processes."""
   if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=tokens_fn, desc=desc, evaluate=evaluate):
@@ -128,14 +139,14 @@ def train_to_export(run, loss_fn, batch_fn, *, tokens_fn, desc: str, evaluate=No
   return params, None
 
 
-def last_logged(out_dir) -> dict:
+def last_logged(out_dir: str | Path) -> dict:
   """The last line of a run's train_log.jsonl ({} before the first log or with no log: nothing trained)."""
   path = Path(out_dir) / "train_log.jsonl"
   log = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
   return log[-1] if log else {}
 
 
-def write_drafter_json(final: Path, info: dict, *, last: dict, train_s: float, model=None) -> Path:
+def write_drafter_json(final: Path, info: dict, *, last: dict, train_s: float, model: nnx.Module | None = None) -> Path:
   """drafter.json beside an exported drafter: `info` (how it was trained, its validation metrics) with what every
   trainer records: the command line that ran it (the program by name alone: no machine path), the last logged
   loss, this invocation's wall time (a resumed run counts only its own part) and the parameter count of an nnx
@@ -150,12 +161,12 @@ def write_drafter_json(final: Path, info: dict, *, last: dict, train_s: float, m
 
 # --- trainers reading a distillation store ---------------------------------------------------------------------
 
-def tau_sim(acc_per_step) -> float:
+def tau_sim(acc_per_step: ArrayLike) -> float:
   """Simulated mean accepted length of a chain from per-position top-1 agreement: 1 + sum_k prod_{i<=k} acc_i."""
   return float(1.0 + np.sum(np.cumprod(np.asarray(acc_per_step, np.float64))))
 
 
-def store_target(store) -> Path:
+def store_target(store: Any) -> Path:
   """The target a store was made with (its recorded name or directory); its weights must be the store's."""
   from longspec_jax.hf_io import weights_sha256 as sha
   from longspec_jax.targets import resolve_target_dir
@@ -165,7 +176,8 @@ def store_target(store) -> Path:
   return target_dir
 
 
-def store_evaluator(stats_fn, sampler, batch_size: int, val_windows: int):
+def store_evaluator(stats_fn: Callable[[Any, dict], tuple], sampler: Any, batch_size: int,
+                    val_windows: int) -> Callable[[Any], dict]:
   """evaluate(params) -> held-out {val_acc_j, val_loss_j, val_tau_sim} over `val_windows` fixed windows."""
   bs = min(batch_size, val_windows)
   batches = [sampler.batch(i, bs) for i in range(-(-val_windows // bs))]  # read once, reused every time
@@ -184,7 +196,8 @@ def store_evaluator(stats_fn, sampler, batch_size: int, val_windows: int):
   return evaluate
 
 
-def store_record(store, train_w, val_w, train_tokens: int, feature_key: str) -> list[dict]:
+def store_record(store: Any, train_w: np.ndarray, val_w: np.ndarray, train_tokens: int,
+                 feature_key: str) -> list[dict]:
   """drafter.json's "data" of a run on a distillation store: the store, how much of it trained and was held out,
   and the settings that made it (`feature_key`: the store setting naming the features the drafter reads)."""
   return [{"distill_store": store.dir.name, "stored_tokens": store.index["stored_tokens"],
@@ -200,7 +213,8 @@ def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
   return np.sort(np.argsort(-counts, kind="stable")[:size])
 
 
-def write_draft_vocab(directory, ids, store, train_windows: int, **extra) -> Path:
+def write_draft_vocab(directory: str | Path, ids: Iterable[int], store: Any, train_windows: int,
+                      **extra: Any) -> Path:
   """`draft_vocab.json` (what `--draft-vocab N` reads: the first N ids) in `directory`: target ids ordered by how
   often they are the target's argmax on the store's `train_windows` train windows, most often first; `extra`
   fields are recorded beside them."""
@@ -213,7 +227,7 @@ def write_draft_vocab(directory, ids, store, train_windows: int, **extra) -> Pat
   return path
 
 
-def store_head(io: dict, draft_ids) -> tuple[dict, np.ndarray]:
+def store_head(io: dict, draft_ids: Sequence[int] | np.ndarray) -> tuple[dict, np.ndarray]:
   """(io whose LM head covers only `draft_ids`, t2d [V]: a target id's column in it or -1). Training reads logits
   over the draft vocabulary alone; the full embedding stays (a block's pending token can be any id)."""
   from longspec_jax.drafters.frozen_target import restrict_head
@@ -223,7 +237,7 @@ def store_head(io: dict, draft_ids) -> tuple[dict, np.ndarray]:
   return {**io, "lm_head": rows.T}, t2d
 
 
-def trained_head(io: dict, drafter_dir) -> dict:
+def trained_head(io: dict, drafter_dir: str | Path) -> dict:
   """{"io", and "t2d" when the exported drafter in drafter_dir was trained over a draft vocabulary}: the head it
   drafts with by default, for scoring it on a store (see store_head)."""
   from longspec_jax.drafters.frozen_target import read_draft_vocab, trained_draft_vocab
@@ -234,7 +248,7 @@ def trained_head(io: dict, drafter_dir) -> dict:
   return {"io": io, "t2d": t2d}
 
 
-def soft_label_stats(logits, batch, kind: str):
+def soft_label_stats(logits: jax.Array, batch: dict, kind: str) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(per-slot loss sums [B_s], hits on the target's argmax [B, A, B_s], weights [B, A, B_s]) of block logits
   [B, A, B_s, V] against the store's top-k labels ("topk_ids" / "topk_logprobs" [B, A, B_s, k]). With a draft
   vocabulary the logits cover only its tokens and batch["t2d"] [V] maps a target id to its column (-1: outside,
@@ -257,7 +271,7 @@ def soft_label_stats(logits, batch, kind: str):
   return loss_sums, hit, w
 
 
-def block_loss(logits, batch, distill: str = ""):
+def block_loss(logits: jax.Array, batch: dict, distill: str = "") -> tuple[jax.Array, dict]:
   """A block drafter's training loss from its block logits [B, A, B_s, V]: CE on the data's next tokens
   ("labels"), or with `distill` the loss of that kind against the store's soft labels; slot weights in label_w."""
   if distill:
@@ -270,7 +284,8 @@ def block_loss(logits, batch, distill: str = ""):
   return loss, {"top1_slot1": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(w[..., 0] > 0), 1)}
 
 
-def block_stats_fn(logits_fn, kind: str):
+def block_stats_fn(logits_fn: Callable[[Any, dict], jax.Array], kind: str
+                   ) -> Callable[[Any, dict], tuple[jax.Array, jax.Array, jax.Array]]:
   """Jitted (params, batch) -> (per-slot loss sums, hits on the target's argmax, labelled slots), summed over the
   batch: what store_evaluator adds up. logits_fn(params, batch) -> block logits. Every loss kind is scored alike
   (an argmax outside the draft vocabulary is a miss); slot weights are the batch's label_w (flat held out)."""
@@ -282,7 +297,9 @@ def block_stats_fn(logits_fn, kind: str):
   return stats
 
 
-def kept_store_split(out_dir, store, split, resume: bool, input_scale_fn=None):
+def kept_store_split(out_dir: str | Path, store: Any, split: tuple[np.ndarray, np.ndarray], resume: bool,
+                     input_scale_fn: Callable[[np.ndarray], np.ndarray] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
   """(train windows, held-out windows, input scale or None) of a run on a distillation store, from `split` = the
   store's (train, held-out) windows (distill_store.split_windows). A resumed run keeps what its first start fixed
   while the store grows, in out_dir/store_run.json: the held-out windows (the curve's anchors stay the same;
@@ -304,7 +321,7 @@ def kept_store_split(out_dir, store, split, resume: bool, input_scale_fn=None):
   return train_w, val_w, scale
 
 
-def copy_target_layers(layers, target_layers) -> None:
+def copy_target_layers(layers: Iterable[DecoderLayer], target_layers: Iterable[DecoderLayer]) -> None:
   """`init_from_target`: each drafter decoder layer <- the paired target layer where shapes allow (q/k/v/o and the
   two norms match: the drafters' layers take the target's width and heads); a narrower MLP takes the target MLP's
   first channels. A target without q/k norms leaves the drafter's at their initial ones."""

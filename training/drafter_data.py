@@ -13,10 +13,14 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from longspec_jax.hf_io import weights_sha256  # also re-exported for the trainers
+
+if TYPE_CHECKING:
+  import datasets
 
 DATASET_DIR = "dataset"
 SHARDS_DIR = "shards"
@@ -230,7 +234,7 @@ def target_name(target_dir: str | Path) -> str:
   return d.parent.name if d.name == "final" else d.name
 
 
-def load_drafter_data(data_dir: str | Path):
+def load_drafter_data(data_dir: str | Path) -> tuple[datasets.Dataset, dict]:
   """(dataset, manifest) of a finished `make-drafter-data` run, with clear errors for missing or empty data."""
   import datasets
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,9 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from longspec_jax.training.losses import per_token_nll
+
+if TYPE_CHECKING:
+  from longspec_jax.model import Transformer
 
 BUCKETS = (("0-1K", 0, 1024), ("1-2K", 1024, 2048), ("2-4K", 2048, 4096), ("4-8K", 4096, 8192),
            ("8-16K", 8192, 16384))
@@ -24,7 +29,7 @@ def _nll(graphdef, params, tokens):
   return per_token_nll(logits, tokens[:, 1:])
 
 
-def unigram_log_probs(token_arrays, vocab_size: int) -> np.ndarray:
+def unigram_log_probs(token_arrays: Iterable[Sequence[int] | np.ndarray], vocab_size: int) -> np.ndarray:
   """Add-one smoothed unigram log-probabilities."""
   counts = np.ones(vocab_size, np.float64)
   for ids in token_arrays:
@@ -32,7 +37,8 @@ def unigram_log_probs(token_arrays, vocab_size: int) -> np.ndarray:
   return np.log(counts / counts.sum()).astype(np.float32)
 
 
-def evaluate_position_buckets(model, docs: list[list[int]], unigram: np.ndarray, max_len: int = 16384) -> dict:
+def evaluate_position_buckets(model: Transformer, docs: list[list[int]], unigram: np.ndarray,
+                              max_len: int = 16384) -> dict:
   """docs: token lists (BOS included). Each doc is cut to max_len+1 tokens and scored in one causal pass."""
   graphdef, params = nnx.split(model)
   sums = {name: 0.0 for name, *_ in BUCKETS}

@@ -18,15 +18,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+  from collections.abc import Iterable, Sequence
+
+  from datasets import Dataset
+  from numpy.typing import ArrayLike, DTypeLike
+
+  from longspec_jax.config import ModelConfig
+  from longspec_jax.model import Transformer
 
 FEATURES_DIR = "features"
 INDEX = "index.json"
 CACHE_VERSION = 1
 
 
-def cache_tap_indices(spec: str, target_cfg) -> tuple[int, ...]:
+def cache_tap_indices(spec: str, target_cfg: ModelConfig) -> tuple[int, ...]:
   """'dflash,eagle3,7' -> the union of DFlash's default taps (5 layers), EAGLE-3's default aux layers and 7."""
   from longspec_jax.drafters.eagle3 import default_aux_layers
   from longspec_jax.drafters.frozen_target import default_target_layer_ids
@@ -44,7 +54,7 @@ def cache_tap_indices(spec: str, target_cfg) -> tuple[int, ...]:
   return tuple(sorted(out))
 
 
-def data_rows(ds) -> list[list[int]]:
+def data_rows(ds: Dataset) -> list[list[int]]:
   """The token rows a cache covers: prompt + continuation of every dataset row, in dataset order."""
   return [list(p) + list(c) for p, c in zip(ds["prompt"], ds["continuation"])]
 
@@ -70,8 +80,8 @@ class FeatureCache:
       self.kv = np.memmap(self.dir / "kv.f16", np.float16, "r", shape=(total, len(meta["kv_layers"]), 2, hkv, d))
 
   @classmethod
-  def open(cls, data_dir: str | Path, *, taps, weights_id: str, num_rows: int, use_rows: int | None = None,
-           kv_layers=()) -> "FeatureCache | None":
+  def open(cls, data_dir: str | Path, *, taps: Sequence[int], weights_id: str, num_rows: int,
+           use_rows: int | None = None, kv_layers: Sequence[int] = ()) -> "FeatureCache | None":
     """The cache of `data_dir` (whose data has `num_rows` rows) if it holds `taps` and `kv_layers` of this target
     for its first `use_rows` rows (default all); None when there is none; ValueError when there is one that does
     not fit (so stale features are never read)."""
@@ -108,17 +118,17 @@ class FeatureCache:
       out[a - start:b - start] = store[self.off[row] + a:self.off[row] + b]
     return out
 
-  def window_taps(self, row: int, start: int, width: int, taps) -> np.ndarray:
+  def window_taps(self, row: int, start: int, width: int, taps: Sequence[int]) -> np.ndarray:
     """Taps `taps` of rows [start, start + width) of data row `row`: [width, len(taps), H] float16, zero outside
     the row."""
     return self._rows(self.taps, row, start, width)[:, [self.taps_index[t] for t in taps]]
 
-  def taps_at(self, row: int, positions, taps) -> np.ndarray:
+  def taps_at(self, row: int, positions: ArrayLike, taps: Sequence[int]) -> np.ndarray:
     """Taps `taps` at `positions` (within the row) of data row `row`: [len(positions), len(taps), H] float16."""
     sel = [self.taps_index[t] for t in taps]
     return np.asarray(self.taps[self.off[row] + np.asarray(positions)])[:, sel]
 
-  def window_kv(self, row: int, start: int, width: int, layers) -> tuple[np.ndarray, np.ndarray]:
+  def window_kv(self, row: int, start: int, width: int, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """K and V of target layers `layers` for rows [start, start + width) of data row `row`: each
     [len(layers), width, Hkv, D] float16, zero outside the row."""
     sel = [self.meta["kv_layers"].index(l) for l in layers]
@@ -126,7 +136,8 @@ class FeatureCache:
     return kv[:, :, 0].transpose(1, 0, 2, 3), kv[:, :, 1].transpose(1, 0, 2, 3)
 
 
-def build_feature_cache(data_dir: str | Path, target, taps, kv_layers=(), *, weights_id: str,
+def build_feature_cache(data_dir: str | Path, target: Transformer, taps: Iterable[int], kv_layers: Iterable[int] = (),
+                        *, weights_id: str,
                         tokens_per_batch: int = 4096, num_rows: int | None = None, show_progress: bool = True) -> Path:
   """Runs the frozen `target` once over the rows of `data_dir` (the first `num_rows`, default all; a later call
   with more continues) and writes the cache, resuming a partial one. Rows go through the target in batches of
@@ -224,7 +235,8 @@ class RowTaps:
                      for ki, r, s in zip(k, rows, starts)])
 
 
-def open_row_taps(data_dirs, datasets, *, taps, weights_id: str, mode: str) -> RowTaps | None:
+def open_row_taps(data_dirs: Sequence[str | Path], datasets: Sequence[Dataset], *, taps: Sequence[int],
+                  weights_id: str, mode: str) -> RowTaps | None:
   """mode "auto": the data dirs' caches when every dir has one (else None: the trainer runs the target);
   "recompute": None; "require": the caches or an error."""
   if mode not in ("auto", "recompute", "require"):
@@ -242,7 +254,7 @@ def open_row_taps(data_dirs, datasets, *, taps, weights_id: str, mode: str) -> R
   return RowTaps(caches)
 
 
-def with_taps(rows: dict, cached: RowTaps | None, taps, dtype) -> dict:
+def with_taps(rows: dict, cached: RowTaps | None, taps: Sequence[int], dtype: DTypeLike) -> dict:
   """A sampler batch (naming its windows by "row" and "start") with their taps read from the feature cache when
   there is one (else the caller runs the target); the row/start keys are consumed either way."""
   rows = dict(rows)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits, targets, weights=None):
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
   """Mean token CE. logits [..., V] (any float), targets [...] int, weights [...] (None = all ones).
   Returns (loss, total_weight)."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -17,7 +18,7 @@ def cross_entropy(logits, targets, weights=None):
   return jnp.sum(nll * weights) / jnp.maximum(total, 1e-9), total
 
 
-def per_token_nll(logits, targets):
+def per_token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
@@ -25,7 +26,9 @@ def per_token_nll(logits, targets):
 DISTILL_KINDS = ("kl", "tv", "hard")
 
 
-def topk_distillation(logits, topk_ids, topk_logprobs, kind: str = "kl", weights=None, topk_mask=None):
+def topk_distillation(logits: jax.Array, topk_ids: jax.Array, topk_logprobs: jax.Array, kind: str = "kl",
+                      weights: jax.Array | None = None, topk_mask: jax.Array | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
   """Loss against a teacher's top-k next-token distribution (the distillation store's soft labels).
 
   logits [..., V] student; topk_ids / topk_logprobs [..., k] the teacher's k most likely tokens and their

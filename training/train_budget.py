@@ -20,6 +20,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from flax import nnx
 from longspec_jax import sharding as shd
 from longspec_jax.attention import causal_attention, dense_masked_attention
 from longspec_jax.drafters.budget import CHUNK, check_budget, select_budget_chunks, selection_lengths
-from longspec_jax.model import param_count
+from longspec_jax.model import Transformer, param_count
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.pallas_kernels.length_masked_attention.reference import chunk_key_mask
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
@@ -70,7 +71,7 @@ class BudgetTrainConfig(RunConfig):
     return max(self.budgets)
 
 
-def check_budget_draw(cfg) -> None:
+def check_budget_draw(cfg: Any) -> None:
   """Normalises and checks a multi-view config's `budgets` and `budget_probs` (a frozen dataclass's fields)."""
   object.__setattr__(cfg, "budgets", tuple(int(b) for b in cfg.budgets))
   object.__setattr__(cfg, "budget_probs", tuple(float(p) for p in cfg.budget_probs))
@@ -83,7 +84,7 @@ def check_budget_draw(cfg) -> None:
     raise ValueError(f"budget_probs must sum to 1, got {sum(cfg.budget_probs)}")
 
 
-def multiview_record(cfg, last: dict) -> dict:
+def multiview_record(cfg: Any, last: dict) -> dict:
   """drafter.json's record of a multi-view run: its budget draw, schedule and the last logged branch losses."""
   return {"budgets": list(cfg.budgets), "budget_probs": list(cfg.budget_probs), "sparse_weight": cfg.sparse_weight,
           "budget_keep_recent": cfg.keep_recent, "steps": cfg.steps, "batch_size": cfg.batch_size,
@@ -163,7 +164,8 @@ class LongRowSampler:
     return self.take(rng.integers(0, len(self), size=batch_size), budget)
 
 
-def multiview_forward(model, batch, max_budget: int, keep_recent: bool):
+def multiview_forward(model: Transformer, batch: dict, max_budget: int,
+                      keep_recent: bool) -> tuple[jax.Array, jax.Array]:
   """(full-branch logits, sparse-branch logits), each [B, C, V] at the continuation rows."""
   cfg = model.cfg
   prompt, lens, cont = batch["prompt"], batch["prompt_lens"], batch["cont"]
@@ -200,7 +202,7 @@ def multiview_forward(model, batch, max_budget: int, keep_recent: bool):
   return model.logits_from_hidden(model.norm(x_f)), model.logits_from_hidden(model.norm(x_s))
 
 
-def multiview_loss(model, batch, cfg: BudgetTrainConfig):
+def multiview_loss(model: Transformer, batch: dict, cfg: BudgetTrainConfig) -> tuple[jax.Array, dict]:
   full_logits, sparse_logits = multiview_forward(model, batch, cfg.max_budget, cfg.keep_recent)
   full, _ = cross_entropy(full_logits, batch["labels"], batch["weights"])
   sparse, _ = cross_entropy(sparse_logits, batch["labels"], batch["weights"])
@@ -262,7 +264,7 @@ def train_budget(cfg: BudgetTrainConfig, resume: bool = True) -> Path:
                                train_s=time.time() - t0)
 
 
-def validation_metrics(graphdef, params, val: LongRowSampler, cfg: BudgetTrainConfig) -> dict:
+def validation_metrics(graphdef: nnx.GraphDef, params: nnx.State, val: LongRowSampler, cfg: BudgetTrainConfig) -> dict:
   """Held-out CE and top-1 agreement with the teacher (= classic-mode acceptance proxy per drafted token) of the
   full-cache branch and of the sparse branch at every training budget."""
   if not len(val):
@@ -290,7 +292,7 @@ def validation_metrics(graphdef, params, val: LongRowSampler, cfg: BudgetTrainCo
   return res
 
 
-def export_budget_drafter(model, cfg: BudgetTrainConfig, init_dir: Path, target_dir: Path, manifest: dict,
+def export_budget_drafter(model: Transformer, cfg: BudgetTrainConfig, init_dir: Path, target_dir: Path, manifest: dict,
                           metrics: dict, train_s: float) -> Path:
   from longspec_jax.hf_io import save_model_dir
   last = last_logged(cfg.out_dir)

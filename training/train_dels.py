@@ -18,6 +18,7 @@ import dataclasses
 import time
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ from longspec_jax import sharding as shd
 from longspec_jax.drafters.dels import (TENSOR_NAMES, DeLSConfig, base_is_longspark, combine, cut_to_draft_vocab,
                                         fuse_factors, local_block_logits, resolve_base_dir, save_dels_dir,
                                         unigram_log_prior)
-from longspec_jax.drafters.dflash import load_dflash_model
+from longspec_jax.drafters.dflash import DFlashModel, load_dflash_model
 from longspec_jax.drafters.frozen_target import read_draft_vocab, target_io, trained_draft_vocab
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.training.drafter_data import target_name, weights_sha256
@@ -39,6 +40,10 @@ from longspec_jax.training.drafter_common import (block_loss, check_token_ids, k
                                                   train_to_export, trained_head, write_drafter_json)
 from longspec_jax.training.train_dflash import BlockSampler, batch_logits, dflash_store_sampler, dflash_train_logits
 from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
+
+if TYPE_CHECKING:
+  from longspec_jax.model import Transformer
+  from longspec_jax.training.distill_store import DistillStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +98,14 @@ def init_head_params(cfg: DeLSTrainConfig, hidden: int, seed: int) -> dict:
           "rank": u(k[3], (r, g), g), "up": jnp.zeros((hidden, r), jnp.float32)}
 
 
-def merge_head(params: dict, io: dict, log_prior) -> dict:
+def merge_head(params: dict, io: dict, log_prior: jax.typing.ArrayLike) -> dict:
   """Trainable tables + the target's frozen embedding/LM head -> the inference head (direct-vocab tables). An `io`
   whose LM head covers a draft vocabulary (drafter_common.store_head) gives head rows for those tokens alone."""
   return {**fuse_factors(io, params["proj"], params["up"]), "w_ih": params["w_ih"], "w_hh": params["w_hh"],
           "rank": params["rank"], "log_prior": jnp.asarray(log_prior, jnp.float32)}
 
 
-def shipped_head(trained: dict, io: dict, log_prior) -> tuple[dict, dict]:
+def shipped_head(trained: dict, io: dict, log_prior: jax.typing.ArrayLike) -> tuple[dict, dict]:
   """(what the export saves: the trained tables rounded to bf16 as stored, and the fp32 prior; the inference head
   fused from exactly those, which alpha/beta are tuned on)."""
   saved = {k: np.asarray(jnp.asarray(trained[k], jnp.bfloat16).astype(jnp.float32)) for k in HEAD_PARAMS}
@@ -108,7 +113,7 @@ def shipped_head(trained: dict, io: dict, log_prior) -> tuple[dict, dict]:
   return saved, jax.tree.map(np.asarray, merge_head(saved, io, log_prior))
 
 
-def block_prev(batch) -> jax.Array:
+def block_prev(batch: dict) -> jax.Array:
   """Tokens each block position reads first: the anchor, then the labels before it. [B*A, K]."""
   if "prev" in batch:  # LongSpark's batches carry them
     return batch["prev"].reshape(-1, batch["prev"].shape[-1])
@@ -117,7 +122,7 @@ def block_prev(batch) -> jax.Array:
   return prev.reshape(-1, prev.shape[-1])
 
 
-def dels_loss(dcfg: DeLSConfig, params, batch):
+def dels_loss(dcfg: DeLSConfig, params: dict, batch: dict) -> tuple[jax.Array, dict]:
   head = merge_head(params, batch["io"], batch["log_prior"])
   logits = local_block_logits(dcfg, head, block_prev(batch))
   labels, w = batch["labels"].reshape(logits.shape[:2]), batch["label_w"].reshape(logits.shape[:2])
@@ -188,7 +193,8 @@ def train_dels(cfg: DeLSTrainConfig, resume: bool = True) -> Path:
   return export_dels(cfg, dcfg, saved, base_dir, target_dir, manifests, train_s, tuning)
 
 
-def val_hits(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base_model, target, rows, pad_id: int) -> dict:
+def val_hits(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head: dict, base_model: DFlashModel, target: Transformer,
+             rows: list[tuple], pad_id: int) -> dict:
   """Held-out rows. grid: per block of a greedy row with K real labels, hits [n_grid, N, K] of the combined argmax
   for every (alpha, beta) on the grid (index ia * len(beta_grid) + ib). local_*: the local head alone on all rows."""
   bs = base_model.cfg.block_size
@@ -293,8 +299,8 @@ def tune_alpha_beta(cfg: DeLSTrainConfig, v: dict) -> dict:
   return res
 
 
-def export_dels(cfg: DeLSTrainConfig, dcfg: DeLSConfig, saved, base_dir: Path, target_dir, manifests,
-                train_s: float, tuning: dict) -> Path:
+def export_dels(cfg: DeLSTrainConfig, dcfg: DeLSConfig, saved: dict, base_dir: Path, target_dir: str | Path,
+                manifests: list[dict], train_s: float, tuning: dict) -> Path:
   """saved: shipped_head's tables. manifests: the data dirs' manifests, or with a store its drafter.json "data"
   record (store_record)."""
   final = save_dels_dir(dcfg, saved, Path(cfg.out_dir) / "final", base_drafter=cfg.base)
@@ -336,7 +342,8 @@ class StoreBase:
   draft_ids: np.ndarray | None
 
 
-def store_base(base_dir: Path, target, store, val_w, cfg: DeLSTrainConfig) -> StoreBase:
+def store_base(base_dir: Path, target: Transformer, store: DistillStore, val_w: np.ndarray,
+               cfg: DeLSTrainConfig) -> StoreBase:
   """DFlash or LongSpark (by the base's architecture) on the held-out windows `val_w`, drawn the way that drafter's
   own store evaluation draws them (evaluate_dflash_on_store / evaluate_longspark_on_store), cfg.val_anchors each."""
   from longspec_jax.drafters.longspark import load_longspark_model
@@ -396,7 +403,7 @@ def _store_head_factors(cfg: DeLSTrainConfig, store, target, train_w, num_slots:
   return (stopped, None) if stopped else (trained, time.time() - t0)
 
 
-def read_head_factors(drafter_dir, cfg: DeLSTrainConfig) -> dict:
+def read_head_factors(drafter_dir: str | Path, cfg: DeLSTrainConfig) -> dict:
   """The trained tables (HEAD_PARAMS) of an exported DeLS head saved as projections of the target's tables, of
   cfg's shape."""
   from longspec_jax.hf_io import _read_tensors
@@ -445,7 +452,7 @@ def train_dels_from_store(cfg: DeLSTrainConfig, resume: bool) -> Path:
   return export_dels(cfg, dcfg, saved, base_dir, target_dir, data, train_s, tuning)
 
 
-def store_val_hits(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head, base: StoreBase) -> dict:
+def store_val_hits(cfg: DeLSTrainConfig, dcfg: DeLSConfig, head: dict, base: StoreBase) -> dict:
   """val_hits on a store's held-out blocks: a slot is a hit when the combined argmax is the target's argmax there
   (the GRU reads the text's own tokens, as in tau_sim). Computed over the base's draft vocabulary, where every
   combined argmax falls."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,11 @@ from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, ch
                                                   store_target, train_to_export, trained_head, write_draft_vocab,
                                                   write_drafter_json)
 from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
+
+if TYPE_CHECKING:
+  from longspec_jax.model import Transformer
+  from longspec_jax.training.distill_store import DistillStore
+  from longspec_jax.training.feature_cache import RowTaps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,14 +146,16 @@ class BlockSampler:
             "row": self.row_ids[picks], "start": offs}
 
 
-def dflash_train_logits(model: DFlashModel, io, taps, tokens, anchors, tap_scale=None):
+def dflash_train_logits(model: DFlashModel, io: dict, taps: jax.Array, tokens: jax.Array, anchors: jax.Array,
+                        tap_scale: jax.Array | None = None) -> jax.Array:
   """Logits [B, A, B_s-1, V] of every anchor's block in one pass: queries of anchor a see context rows < a and
   their own block (bidirectional). tap_scale [n, H]: multiplies the taps (see normalize_taps)."""
   ck, cv = train_context_kv(model, taps, tap_scale)
   return train_block_logits(model, io, ck, cv, tokens, anchors)
 
 
-def train_context_kv(model: DFlashModel, taps, tap_scale=None):
+def train_context_kv(model: DFlashModel, taps: jax.Array,
+                     tap_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Context keys / values [L_d, B, C, Hkv, D] of a window's rows (at positions 0..C-1) from its taps."""
   b, c = taps.shape[:2]
   if tap_scale is not None:
@@ -154,7 +163,8 @@ def train_context_kv(model: DFlashModel, taps, tap_scale=None):
   return model.context_kv(model.context(taps), jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)))
 
 
-def train_block_logits(model: DFlashModel, io, ck, cv, tokens, anchors, context_kept=None):
+def train_block_logits(model: DFlashModel, io: dict, ck: jax.Array, cv: jax.Array, tokens: jax.Array,
+                       anchors: jax.Array, context_kept: Callable[[int], jax.Array] | None = None) -> jax.Array:
   """Block logits [B, A, B_s-1, V] of every anchor over the context K/V ck / cv [L_d, B, C, Hkv, D]: anchor a's
   queries see context rows < a and their own block. context_kept(layer) -> [B, Hkv, C] bool, when given, further
   limits the context rows each KV head of that layer sees (BudgetDraft's sparse view)."""
@@ -183,13 +193,13 @@ def train_block_logits(model: DFlashModel, io, ck, cv, tokens, anchors, context_
   return head_logits(io, h.reshape(b, a, bs, -1)[:, :, 1:])
 
 
-def batch_logits(model: DFlashModel, batch):
+def batch_logits(model: DFlashModel, batch: dict) -> jax.Array:
   """Block logits of a training batch (the tap scale applied when present)."""
   return dflash_train_logits(model, batch["io"], batch["taps"], batch["tokens"], batch["anchors"],
                              batch.get("tap_scale"))
 
 
-def dflash_loss(model, batch, distill: str = ""):
+def dflash_loss(model: DFlashModel, batch: dict, distill: str = "") -> tuple[jax.Array, dict]:
   return block_loss(batch_logits(model, batch), batch, distill)
 
 
@@ -264,7 +274,8 @@ def train_dflash(cfg: DFlashTrainConfig, resume: bool = True) -> Path:
   return export_dflash(trained, cfg, target, target_dir, manifests, val_rows, pad_id, time.time() - t0, cached)
 
 
-def block_samplers(train_rows, cfg: DFlashTrainConfig, pad_id: int, dir_ends) -> list[BlockSampler]:
+def block_samplers(train_rows: list[tuple], cfg: DFlashTrainConfig, pad_id: int,
+                   dir_ends: np.ndarray) -> list[BlockSampler]:
   """One sampler over all rows, or with dir_turns one per data dir (row ids < dir_ends[i] are dir i's) whose
   window is its longest row rounded up to 128 (at most context_len); seeds differ per dir."""
   if not cfg.dir_turns or len(dir_ends) == 1:
@@ -280,13 +291,14 @@ def block_samplers(train_rows, cfg: DFlashTrainConfig, pad_id: int, dir_ends) ->
   return out
 
 
-def tap_scale(batches) -> np.ndarray:
+def tap_scale(batches: list[dict]) -> np.ndarray:
   """[n, H] float32: 1 / median |tap| per (tap, dimension) over the real rows ("real" [B, C]) of batches that no
   training step draws (the median ignores the few huge attention-sink rows)."""
   return inverse_median_scale([np.abs(np.asarray(b["taps"], np.float32)[b["real"]]) for b in batches])
 
 
-def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows, pad_id: int, cached=None) -> dict:
+def validation_metrics(model: DFlashModel, target: Transformer, cfg: DFlashTrainConfig, rows: list[tuple], pad_id: int,
+                       cached: RowTaps | None = None) -> dict:
   """Held-out rows: block CE, top-1 per slot, and the mean number of leading correct slots (= greedy acceptance
   length where the row is the target's greedy output)."""
   if not rows:
@@ -320,8 +332,9 @@ def validation_metrics(model: DFlashModel, target, cfg: DFlashTrainConfig, rows,
           "val_mean_leading_correct": round(float(lead / max(full, 1)), 4)}
 
 
-def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target, target_dir: Path, manifests, val_rows,
-                  pad_id: int, train_s: float, cached=None) -> Path:
+def export_dflash(model: DFlashModel, cfg: DFlashTrainConfig, target: Transformer, target_dir: Path,
+                  manifests: list[dict], val_rows: list[tuple], pad_id: int, train_s: float,
+                  cached: RowTaps | None = None) -> Path:
   last = last_logged(cfg.out_dir)
   final = save_dflash_dir(model, Path(cfg.out_dir) / "final", dtype=jnp.bfloat16)
   info = {
@@ -378,8 +391,9 @@ class StoreBlockSampler:
             "topk_ids": at(b["topk_ids"], tgt - 1), "topk_logprobs": at(b["topk_logprobs"], tgt - 1), **extra}
 
 
-def dflash_store_sampler(store, windows, taps, block_size: int, seed: int, context_len: int, anchors_per_window: int,
-                         pad_id: int, gamma: float = 1e9) -> StoreBlockSampler:
+def dflash_store_sampler(store: DistillStore, windows: np.ndarray, taps: Sequence[int], block_size: int, seed: int,
+                         context_len: int, anchors_per_window: int, pad_id: int,
+                         gamma: float = 1e9) -> StoreBlockSampler:
   """Blocks of `block_size` in windows of context_len rows of the store's `windows`, the target layers `taps` read
   (() for none); gamma 1e9: every slot weighs alike (held-out scoring)."""
   from longspec_jax.training.distill_store import StoreWindows
@@ -489,9 +503,10 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
   return write_drafter_json(final, info, last=last, train_s=time.time() - t0, model=trained)
 
 
-def evaluate_dflash_on_store(drafter_dir, target, store_dir, *, draws: int = 32, val_fraction: float = 0.03,
-                             seed: int = 0, context_len: int = 512, anchors_per_window: int = 24,
-                             batch_size: int = 8, held_out_within_tokens: int = 0) -> dict:
+def evaluate_dflash_on_store(drafter_dir: str | Path, target: Transformer, store_dir: str | Path, *, draws: int = 32,
+                             val_fraction: float = 0.03, seed: int = 0, context_len: int = 512,
+                             anchors_per_window: int = 24, batch_size: int = 8,
+                             held_out_within_tokens: int = 0) -> dict:
   """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an exported DFlash drafter on the store's held-out
   windows (the split and draws train_dflash_from_store makes with the same seed, val_fraction,
   held_out_within_tokens, window and batch size), `draws` windows, over the draft vocabulary it drafts with

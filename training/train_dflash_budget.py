@@ -23,6 +23,7 @@ import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax.drafters.budget import CHUNK, select_budget_chunks, selection_lengths
-from longspec_jax.drafters.dflash import load_dflash_model, save_dflash_dir
+from longspec_jax.drafters.dflash import DFlashModel, load_dflash_model, save_dflash_dir
 from longspec_jax.drafters.frozen_target import DRAFT_VOCAB_FILE, target_io
 from longspec_jax.model import param_count
 from longspec_jax.pallas_kernels.length_masked_attention.reference import chunk_key_mask
@@ -92,7 +93,7 @@ class PromptSplitSampler(StoreBlockSampler):
     super().__init__(windows, cfg)
     self.budget = budget
 
-  def anchors(self, step, batch_size, rows, valid):
+  def anchors(self, step: int, batch_size: int, rows: slice, valid: np.ndarray) -> tuple[np.ndarray, dict]:
     cfg = self.cfg
     rng = np.random.default_rng([self.windows.seed, step, 2])
     budget = self.budget or int(rng.choice(cfg.budgets, p=cfg.budget_probs))
@@ -104,7 +105,8 @@ class PromptSplitSampler(StoreBlockSampler):
     return anchors, {"prompt_lens": prompt, "num_chunks": np.full(len(prompt), budget // CHUNK, np.int32)}
 
 
-def multiview_logits(model, batch, max_budget: int, keep_recent: bool):
+def multiview_logits(model: DFlashModel, batch: dict, max_budget: int,
+                     keep_recent: bool) -> tuple[jax.Array, jax.Array]:
   """(full-branch, sparse-branch) block logits, each [B, A, B_s-1, V]."""
   ck, cv = train_context_kv(model, batch["taps"])
   c = batch["tokens"].shape[1]
@@ -120,7 +122,7 @@ def multiview_logits(model, batch, max_budget: int, keep_recent: bool):
   return train_block_logits(*args), train_block_logits(*args, context_kept=kept)
 
 
-def multiview_loss(model, batch, cfg: DFlashBudgetTrainConfig):
+def multiview_loss(model: DFlashModel, batch: dict, cfg: DFlashBudgetTrainConfig) -> tuple[jax.Array, dict]:
   full_logits, sparse_logits = multiview_logits(model, batch, cfg.max_budget, cfg.keep_recent)
   full, aux = block_loss(full_logits, batch, cfg.distill)
   sparse, _ = block_loss(sparse_logits, batch, cfg.distill)
@@ -128,7 +130,8 @@ def multiview_loss(model, batch, cfg: DFlashBudgetTrainConfig):
                                              "budget": batch["num_chunks"][0] * CHUNK}
 
 
-def held_out_evaluator(graphdef, samplers: dict, extra: dict, cfg: DFlashBudgetTrainConfig, dtype):
+def held_out_evaluator(graphdef: nnx.GraphDef, samplers: dict, extra: dict, cfg: DFlashBudgetTrainConfig,
+                       dtype: jax.typing.DTypeLike) -> Callable[[Any], dict]:
   """evaluate(params) -> {branch: {val_tau_sim, val_acc_j...}} for the full branch and the sparse branch at every
   budget; each branch's stats are compiled, and its held-out batches read, once."""
   stats_of = {i: block_stats_fn(lambda p, b, i=i: multiview_logits(nnx.merge(graphdef, p), b, cfg.max_budget,

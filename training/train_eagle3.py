@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,11 @@ from longspec_jax.training.drafter_common import (data_target, draft_vocab_from_
                                                   store_record, store_target, train_to_export, write_drafter_json)
 from longspec_jax.training.losses import topk_distillation
 from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
+
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import LoadedDrafter
+  from longspec_jax.model import Transformer
+  from longspec_jax.training.feature_cache import RowTaps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +130,8 @@ def _shifted(rows, shift: int, pad_id: int):
   return jnp.concatenate([rows[:, shift:], pad], axis=1)
 
 
-def ttt_forward(net: Eagle3Net, embed, tokens, taps, num_steps: int, pad_id: int = 0):
+def ttt_forward(net: Eagle3Net, embed: jax.Array, tokens: jax.Array, taps: jax.Array, num_steps: int,
+                pad_id: int = 0) -> list[tuple[jax.Array, jax.Array]]:
   """The unrolled TTT pass. tokens [B, W], taps [B, W, n_aux, H_t] (the target at every position), embed the
   target's [V, H] table. Returns a list over steps of (output hidden [B, W-1, H], targets [B, W-1]); row p of
   step j predicts targets[:, p] = x_{p+2+j}."""
@@ -173,7 +181,8 @@ def _distill_stats(net: Eagle3Net, h, topk_ids, topk_logprobs, weights, t2d, kin
   return mean * total, jnp.sum(hit * weights)
 
 
-def ttt_stats(net: Eagle3Net, frozen, batch, num_steps: int, aux_layers, pad_id: int, distill: str = ""):
+def ttt_stats(net: Eagle3Net, frozen: dict, batch: dict, num_steps: int, aux_layers: tuple[int, ...], pad_id: int,
+              distill: str = "") -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-step (loss sum, hits, weight) arrays [num_steps] for a batch. frozen: {"embed": the target's [V, H]
   table, "t2d": [V] draft ids, and "target": the frozen target unless the batch brings cached "taps"}. With
   `distill` the batch brings the target's top-k next-token distribution per position ("topk_ids",
@@ -200,7 +209,8 @@ def ttt_stats(net: Eagle3Net, frozen, batch, num_steps: int, aux_layers, pad_id:
   return jnp.stack(ce), jnp.stack(hits), jnp.stack(wsum)
 
 
-def ttt_loss(net, frozen, batch, num_steps: int, decay: float, aux_layers, pad_id: int, distill: str = ""):
+def ttt_loss(net: Eagle3Net, frozen: dict, batch: dict, num_steps: int, decay: float, aux_layers: tuple[int, ...],
+             pad_id: int, distill: str = "") -> tuple[jax.Array, dict]:
   ce, hits, w = ttt_stats(net, frozen, batch, num_steps, aux_layers, pad_id, distill)
   per_step = ce / jnp.maximum(w, 1.0)
   step_w = decay ** jnp.arange(num_steps, dtype=jnp.float32)
@@ -295,7 +305,7 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
                        pad_id, draft_ids, cached, time.time() - t0)
 
 
-def draft_vocab_ids(rows, vocab_size: int, size: int) -> np.ndarray:
+def draft_vocab_ids(rows: Sequence[Sequence[int]], vocab_size: int, size: int) -> np.ndarray:
   """The `size` target ids most frequent in `rows`, ascending (all ids when size is 0 or >= vocab_size)."""
   if size <= 0 or size >= vocab_size:
     return np.arange(vocab_size)
@@ -303,7 +313,8 @@ def draft_vocab_ids(rows, vocab_size: int, size: int) -> np.ndarray:
       np.bincount(np.concatenate([np.asarray(r, np.int64) for r in rows]), minlength=vocab_size), size)
 
 
-def frozen_inputs(target, tparams, draft_ids, *, with_target: bool) -> dict:
+def frozen_inputs(target: Transformer, tparams: nnx.State | None, draft_ids: np.ndarray, *,
+                  with_target: bool) -> dict:
   """What a TTT step reads but does not train: the target's embedding, the target -> draft id map and, when the
   taps are not cached, the target's parameters."""
   v = target.cfg.vocab_size
@@ -319,7 +330,9 @@ def _frozen(tgraph, frozen: dict) -> dict:
   return {**frozen, "target": nnx.merge(tgraph, frozen["target"])} if "target" in frozen else frozen
 
 
-def validation_metrics(net, target, cfg: Eagle3TrainConfig, aux, rows, pad_id: int, draft_ids, cached) -> dict:
+def validation_metrics(net: Eagle3Net, target: Transformer, cfg: Eagle3TrainConfig, aux: tuple[int, ...],
+                       rows: tuple[list[list[int]], list[int]], pad_id: int, draft_ids: np.ndarray,
+                       cached: RowTaps | None) -> dict:
   """CE and top-1 accuracy per TTT step on held-out rows (step j: the (j+1)-th draft of a chain whose earlier
   drafts were right), a proxy for per-position acceptance on the target's own text. rows: (rows, row ids)."""
   rows, ids = rows
@@ -341,8 +354,9 @@ def validation_metrics(net, target, cfg: Eagle3TrainConfig, aux, rows, pad_id: i
           "val_top1_per_step": [round(float(x), 4) for x in hits / np.maximum(w, 1)]}
 
 
-def export_eagle3(net, target, cfg: Eagle3TrainConfig, aux, target_dir: Path, data, val_rows, pad_id: int,
-                  draft_ids, cached, train_s: float) -> Path:
+def export_eagle3(net: Eagle3Net, target: Transformer, cfg: Eagle3TrainConfig, aux: tuple[int, ...],
+                  target_dir: Path, data: list[tuple], val_rows: tuple[list[list[int]], list[int]], pad_id: int,
+                  draft_ids: np.ndarray, cached: RowTaps | None, train_s: float) -> Path:
   """Public-layout directory (bf16) plus drafter.json describing how it was trained."""
   last = last_logged(cfg.out_dir)
   final = save_eagle3(net, Path(cfg.out_dir) / "final", aux, target.cfg, n0=cfg.context_len,
@@ -456,8 +470,8 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
 
 # --- a shipped drafter against the store: held-out tau_sim, and a smaller draft vocabulary ---------------------
 
-def evaluate_on_store(loaded, target, store_dir, *, context_len: int = 512, ttt_steps: int = 4,
-                      val_windows: int = 32, val_fraction: float = 0.03, seed: int = 0,
+def evaluate_on_store(loaded: LoadedDrafter, target: Transformer, store_dir: str | Path, *, context_len: int = 512,
+                      ttt_steps: int = 4, val_windows: int = 32, val_fraction: float = 0.03, seed: int = 0,
                       held_out_within_tokens: int = 0) -> dict:
   """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an EAGLE-3 drafter (`load_eagle3`) on the store's
   held-out windows (the split train_eagle3_from_store uses with the same seed, val_fraction and
@@ -476,8 +490,8 @@ def evaluate_on_store(loaded, target, store_dir, *, context_len: int = 512, ttt_
   return store_evaluator(lambda p, b: stats(p, cast(b)), sampler, 4, val_windows)(params["net"])
 
 
-def shrink_draft_vocab(drafter_dir, target, store_dir, size: int, out_dir, *, val_fraction: float = 0.03,
-                       seed: int = 0) -> Path:
+def shrink_draft_vocab(drafter_dir: str | Path, target: Transformer, store_dir: str | Path, size: int,
+                       out_dir: str | Path, *, val_fraction: float = 0.03, seed: int = 0) -> Path:
   """A copy of an EAGLE-3 drafter whose draft vocabulary keeps only the `size` tokens of its own that are the
   target's argmax most often on the store's train windows (the LM head's other rows dropped): a smaller checkpoint
   and a cheaper head, at the acceptance of the dropped tokens (drafter.json records the argmax share kept)."""

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +31,8 @@ from flax import nnx
 from longspec_jax import sharding as shd
 from longspec_jax.attention import dense_masked_attention
 from longspec_jax.drafters.frozen_target import apply_final_norm, head_logits, target_io
-from longspec_jax.drafters.longspark import (LongSparkModel, create_longspark, longspark_config_for, merge_rows,
-                                             save_longspark_dir)
+from longspec_jax.drafters.longspark import (LongSparkConfig, LongSparkModel, create_longspark, longspark_config_for,
+                                             merge_rows, save_longspark_dir)
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
 from longspec_jax.rope import apply_rope, rope_frequencies
@@ -43,7 +45,12 @@ from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, co
                                                   store_evaluator, store_head, store_record, store_target,
                                                   train_to_export, trained_head, write_draft_vocab,
                                                   write_drafter_json)
-from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
+from longspec_jax.training.trainer import OptimConfig, Run, StoreRunConfig, start_run
+
+if TYPE_CHECKING:
+  from longspec_jax.config import ModelConfig
+  from longspec_jax.model import Transformer
+  from longspec_jax.training.distill_store import DistillStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +113,8 @@ class LongSparkTrainConfig(StoreRunConfig):
 
 # ---------------------------------------------------------------- the training forward (shared with the tests)
 
-def anchor_summaries(model: LongSparkModel, pre_k, pre_v, pre_len, slab_k, slab_v, slab_pos, anchors):
+def anchor_summaries(model: LongSparkModel, pre_k: jax.Array, pre_v: jax.Array, pre_len: jax.Array,
+                     slab_k: jax.Array, slab_v: jax.Array, slab_pos: jax.Array, anchors: jax.Array) -> jax.Array:
   """Global slot summaries of rows < anchor, per anchor: g_out [B, A, L, Hkv, g, G, D] fp32.
 
   pre_k/v [L, B, Cp, Hkv, D]: window rows 0..Cp-1, of which rows < pre_len [B] are summarised once for all anchors;
@@ -124,8 +132,9 @@ def anchor_summaries(model: LongSparkModel, pre_k, pre_v, pre_len, slab_k, slab_
   return out
 
 
-def longspark_train_logits(model: LongSparkModel, io, boundary, anchors, g_out, slab_k, slab_v, slab_pos, prev,
-                           shift=None):
+def longspark_train_logits(model: LongSparkModel, io: dict, boundary: jax.Array, anchors: jax.Array,
+                           g_out: jax.Array, slab_k: jax.Array, slab_v: jax.Array, slab_pos: jax.Array,
+                           prev: jax.Array, shift: jax.Array | None = None) -> jax.Array:
   """Logits [B, A, B_s, V] (Markov term included, teacher-forced on prev [B, A, B_s]; prev[..., 0] is the block's
   pending token x_a) of every anchor's block. boundary [B, A, L, H]: the selected layers' outputs at row a-1;
   g_out from `anchor_summaries`; slab as there. shift [B]: RoPE positions of the block are anchors + shift (the
@@ -186,14 +195,14 @@ def _shift_window(model, batch):
   return dict(batch, pre_k=rotate(batch["pre_k"]), slab_k=rotate(batch["slab_k"]))
 
 
-def boundary_scale(samplers, batch_size: int, num_batches: int = 8) -> np.ndarray:
+def boundary_scale(samplers: Sequence[AnchorSampler], batch_size: int, num_batches: int = 8) -> np.ndarray:
   """[L, H] float32: 1 / median |boundary tap| per (layer, dimension) over batches no training step draws."""
   taps = [samplers[i % len(samplers)].batch(10**12 + i, batch_size)["boundary"] for i in range(num_batches)]
   taps = [np.abs(t).reshape(-1, *t.shape[-2:]) for t in taps]  # [B, A, L, H] -> [rows, L, H]
   return inverse_median_scale(taps)
 
 
-def batch_logits(model, batch):
+def batch_logits(model: LongSparkModel, batch: dict) -> jax.Array:
   """Block logits [B, A, B_s, V] of a training batch (position shift and boundary scale applied when present)."""
   if "shift" in batch:
     batch = _shift_window(model, batch)
@@ -204,20 +213,20 @@ def batch_logits(model, batch):
                                 batch["slab_k"], batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))
 
 
-def longspark_loss(model, batch, distill: str = ""):
+def longspark_loss(model: LongSparkModel, batch: dict, distill: str = "") -> tuple[jax.Array, dict]:
   """Training loss: CE on the data's next tokens, or with `distill` the loss of that kind against the store's
   soft labels (slot weights in label_w)."""
   return block_loss(batch_logits(model, batch), batch, distill)
 
 
-def drafter_config(cfg: LongSparkTrainConfig, target_cfg):
+def drafter_config(cfg: LongSparkTrainConfig, target_cfg: ModelConfig) -> LongSparkConfig:
   return longspark_config_for(target_cfg, num_layers=cfg.num_layers, markov_rank=cfg.markov_rank,
                               num_global_slots=cfg.num_global_slots, raw_window=cfg.raw_window,
                               block_size=cfg.block_size,
                               mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id, **cfg.model)
 
 
-def init_from_target_layers(model: LongSparkModel, target) -> None:
+def init_from_target_layers(model: LongSparkModel, target: Transformer) -> None:
   """`init_from_target`: drafter layer i <- target layer target_layer_ids[i], the layer whose K/V it reads, so
   its queries start in the space of the keys it attends over (drafter_common.copy_target_layers)."""
   copy_target_layers(model.parallel_qwen_layers, [target.layers[i] for i in model.cfg.target_layer_ids])
@@ -236,15 +245,15 @@ class LongSparkRows:
     self.lens = np.asarray([len(r) for r, _ in rows])
     self.tail_start = np.asarray([max(p - 2, 0) for _, p in rows])
 
-  def tokens(self, i) -> np.ndarray:
+  def tokens(self, i: int) -> np.ndarray:
     return np.asarray(self.rows[i][0], np.int32)
 
-  def window_kv(self, i, lo, hi):
+  def window_kv(self, i: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
     """K/V rows [lo, hi) of window i as [L, rows, Hkv, D] each (rows outside the window are zero)."""
     k, v = self.cache.window_kv(i, lo, hi - lo, self.layer_ids)
     return k.astype(np.float32), v.astype(np.float32)
 
-  def boundary(self, i, rows):
+  def boundary(self, i: int, rows: np.ndarray) -> np.ndarray:
     return self.cache.taps_at(i, rows, self.taps).astype(np.float32)
 
 
@@ -270,10 +279,10 @@ class StoreLongSparkRows:
   def _read(self, i, lo, hi, features, taps=None) -> dict:
     return self.store.read_rows(int(i), int(lo), int(hi - lo), taps, features)
 
-  def tokens(self, i) -> np.ndarray:
+  def tokens(self, i: int) -> np.ndarray:
     return self.store.tokens(int(i))
 
-  def window_kv(self, i, lo, hi):
+  def window_kv(self, i: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
     """K/V rows [lo, hi) of window i as [L, rows, Hkv, D] each (rows outside the window are zero)."""
     a, b = max(lo, 0), min(hi, int(self.lens[i]))
     kv = self._read(i, a, max(b, a + 1), ("kv",))["kv"][:, self.kv_sel]  # [rows, L, 2, Hkv, D]
@@ -282,11 +291,11 @@ class StoreLongSparkRows:
       out[a - lo:b - lo] = kv[:b - a]
     return out[:, :, 0].transpose(1, 0, 2, 3), out[:, :, 1].transpose(1, 0, 2, 3)
 
-  def boundary(self, i, rows):
+  def boundary(self, i: int, rows: np.ndarray) -> np.ndarray:
     lo = int(np.min(rows))
     return self._read(i, lo, int(np.max(rows)) + 1, ("taps",), self.tap_sel)["taps"][np.asarray(rows) - lo]
 
-  def soft_labels(self, i, rows):
+  def soft_labels(self, i: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(topk_ids, topk_logprobs) [*rows.shape, k] of window i at `rows`: the target's distribution of the token
     after each row."""
     lo = int(np.min(rows))
@@ -311,7 +320,8 @@ class AnchorSampler:
     self.slab = int(-(-(w + self.tail) // 8) * 8)
     self.slot_weight = np.exp(-np.arange(cfg.block_size) / cfg.gamma).astype(np.float32)
 
-  def window_batch(self, wins, anchors, cuts=None) -> dict:
+  def window_batch(self, wins: Sequence[int] | np.ndarray, anchors: Sequence[np.ndarray],
+                   cuts: np.ndarray | None = None) -> dict:
     cfg, c = self.cfg, self.c
     cuts = c.tail_start[wins] if cuts is None else np.asarray(cuts)
     bs, w = cfg.block_size, cfg.raw_window
@@ -362,7 +372,8 @@ class AnchorSampler:
     return out
 
 
-def device_batches(run, samplers, batch_size: int, extra: dict):
+def device_batches(run: Run, samplers: Sequence[AnchorSampler], batch_size: int,
+                   extra: dict) -> Callable[[int], dict]:
   """batch_fn(step) for Run.train: the samplers take turns (each keeps its own fixed shapes, so the step compiles
   once per sampler); K/V stacks [L, B, ...] are sharded on their batch axis, the rest on the first; `extra` (already
   placed) is added to every batch."""
@@ -435,12 +446,12 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
                           time.time() - t0)
 
 
-def store_stats_fn(graphdef, kind: str):
+def store_stats_fn(graphdef: nnx.GraphDef, kind: str) -> Callable[[Any, dict], tuple[jax.Array, jax.Array, jax.Array]]:
   return block_stats_fn(lambda params, batch: batch_logits(nnx.merge(graphdef, params), batch), kind)
 
 
-def store_eval_sampler(model: LongSparkModel, store, windows, seed: int, anchors_per_window: int,
-                       tail_rows: int = 256, anywhere_fraction: float = 0.9) -> AnchorSampler:
+def store_eval_sampler(model: LongSparkModel, store: DistillStore, windows: np.ndarray, seed: int,
+                       anchors_per_window: int, tail_rows: int = 256, anywhere_fraction: float = 0.9) -> AnchorSampler:
   """Held-out LongSpark blocks of `model`'s shape in the store's `windows`, every slot weighing alike."""
   cfg = LongSparkTrainConfig(store_dir=str(store.dir), block_size=model.cfg.block_size,
                              raw_window=model.cfg.raw_window, anchors_per_window=anchors_per_window, gamma=1e9,
@@ -448,9 +459,10 @@ def store_eval_sampler(model: LongSparkModel, store, windows, seed: int, anchors
   return AnchorSampler(StoreLongSparkRows(store, model.cfg.target_layer_ids), windows, cfg, seed, tail=tail_rows)
 
 
-def evaluate_longspark_on_store(drafter_dir, target, store_dir, *, draws: int = 32, val_fraction: float = 0.03,
-                                seed: int = 0, tail_rows: int = 256, anchors_per_window: int = 32,
-                                anywhere_fraction: float = 0.9, held_out_within_tokens: int = 0) -> dict:
+def evaluate_longspark_on_store(drafter_dir: str | Path, target: Transformer, store_dir: str | Path, *,
+                                draws: int = 32, val_fraction: float = 0.03, seed: int = 0, tail_rows: int = 256,
+                                anchors_per_window: int = 32, anywhere_fraction: float = 0.9,
+                                held_out_within_tokens: int = 0) -> dict:
   """Held-out {val_acc_j, val_loss_j (KL), val_tau_sim} of an exported LongSpark drafter on the store's held-out
   windows (the split train_longspark_from_store makes with the same seed, val_fraction and held_out_within_tokens),
   `draws` windows of `anchors_per_window` anchors each, over the draft vocabulary it drafts with (drafter.json):
@@ -550,7 +562,8 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   return write_drafter_json(final, info, last=last, train_s=time.time() - t0, model=trained)
 
 
-def validation_metrics(model: LongSparkModel, target, sampler: AnchorSampler, windows) -> dict:
+def validation_metrics(model: LongSparkModel, target: Transformer, sampler: AnchorSampler,
+                       windows: np.ndarray) -> dict:
   """Held-out windows, every continuation anchor: block CE, top-1 per slot and the mean number of leading
   correct slots (= greedy acceptance length where the window is the target's greedy output), Markov term fed the
   true previous tokens (as greedy decoding does while drafts are correct)."""
@@ -589,7 +602,7 @@ def validation_metrics(model: LongSparkModel, target, sampler: AnchorSampler, wi
           "val_mean_leading_correct": round(float(lead / max(full, 1)), 4)}
 
 
-def drafter_info(model: LongSparkModel, cfg: LongSparkTrainConfig, target_dir) -> dict:
+def drafter_info(model: LongSparkModel, cfg: LongSparkTrainConfig, target_dir: str | Path) -> dict:
   """The head of an exported drafter's drafter.json: how it was made, its shape, its target."""
   return {
       "kind": "longspark",
@@ -606,7 +619,8 @@ def drafter_info(model: LongSparkModel, cfg: LongSparkTrainConfig, target_dir) -
   }
 
 
-def export_longspark(model, cfg: LongSparkTrainConfig, target, target_dir, manifests, val_sampler, val_windows,
+def export_longspark(model: LongSparkModel, cfg: LongSparkTrainConfig, target: Transformer, target_dir: str | Path,
+                     manifests: list[dict], val_sampler: AnchorSampler, val_windows: np.ndarray,
                      train_s: float) -> Path:
   last = last_logged(cfg.out_dir)
   final = save_longspark_dir(model, Path(cfg.out_dir) / "final", dtype=jnp.bfloat16)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from longspec_jax.config import ModelConfig
 from longspec_jax.kv_cache import KVCache
-from longspec_jax.model import create_model, default_target_config, param_count
+from longspec_jax.model import Transformer, create_model, default_target_config, param_count
 from longspec_jax.training.drafter_common import (data_target, draw_windows, last_logged, pad_token, split_rows,
                                                    train_to_export, write_drafter_json)
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
@@ -121,7 +121,7 @@ class WindowSampler:
             "mask_w": mask_w}
 
 
-def pard_forward(model, batch, num_masks: int, mask_id: int):
+def pard_forward(model: Transformer, batch: dict, num_masks: int, mask_id: int) -> tuple[jax.Array, jax.Array]:
   """(next-token logits [B, C, V], mask logits [B, A, K-1, V]) for a batch from WindowSampler."""
   toks, anchors = batch["tokens"], batch["anchors"]
   b, c = toks.shape[0], toks.shape[1] - 1
@@ -136,7 +136,8 @@ def pard_forward(model, batch, num_masks: int, mask_id: int):
   return out.logits, mask_logits.reshape(b, a, num_masks, -1)
 
 
-def pard_loss(model, batch, num_masks: int, mask_id: int, mask_weight: float):
+def pard_loss(model: Transformer, batch: dict, num_masks: int, mask_id: int,
+              mask_weight: float) -> tuple[jax.Array, dict]:
   ntp_logits, mask_logits = pard_forward(model, batch, num_masks, mask_id)
   ntp, _ = cross_entropy(ntp_logits, batch["tokens"][:, 1:], batch["ntp_w"])
   mask, _ = cross_entropy(mask_logits, batch["mask_tgt"], batch["mask_w"])
@@ -174,7 +175,8 @@ def train_pard(cfg: PardTrainConfig, resume: bool = True) -> Path:
                         train_s=time.time() - t0)
 
 
-def validation_metrics(model, cfg: PardTrainConfig, rows: list[list[int]], pad_id: int, mask_id: int) -> dict:
+def validation_metrics(model: Transformer, cfg: PardTrainConfig, rows: list[list[int]], pad_id: int,
+                       mask_id: int) -> dict:
   """Losses and top-1 accuracy per draft position (anchor = position 1, mask j = position j+1) on held-out
   rows: a proxy for PARD acceptance on greedy target text."""
   if not rows:
@@ -206,8 +208,8 @@ def validation_metrics(model, cfg: PardTrainConfig, rows: list[list[int]], pad_i
           "val_top1_per_position": [round(float(h), 4) for h in hits / np.maximum(w, 1)]}
 
 
-def export_drafter(model, cfg: PardTrainConfig, target_dir: Path, manifest: dict, val_rows, pad_id: int,
-                   train_s: float) -> Path:
+def export_drafter(model: Transformer, cfg: PardTrainConfig, target_dir: Path, manifest: dict,
+                   val_rows: list[list[int]], pad_id: int, train_s: float) -> Path:
   """HF directory (bf16 safetensors + the target's tokenizer) plus drafter.json describing how it was trained."""
   from longspec_jax.hf_io import save_model_dir
 

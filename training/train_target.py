@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from longspec_jax.config import ModelConfig
 from longspec_jax.distributed import is_main_process
-from longspec_jax.model import create_model, default_target_config
+from longspec_jax.model import Transformer, create_model, default_target_config
 from longspec_jax.tokenizer import load_tokenizer, special_token_ids
 from longspec_jax.training.data import TokenStream, load_corpus, tokenize_split
 from longspec_jax.training.losses import cross_entropy
@@ -60,7 +61,7 @@ def token_stream(cfg: TargetTrainConfig, split: str = "train") -> TokenStream:
   return TokenStream(ids, seed=cfg.seed)
 
 
-def build(cfg: TargetTrainConfig, vocab_size: int):
+def build(cfg: TargetTrainConfig, vocab_size: int) -> tuple[ModelConfig, dict[bool, Transformer]]:
   model_cfg = default_target_config(vocab_size=vocab_size, **cfg.model)
   dtype = jnp.dtype(cfg.compute_dtype)
   # Two graph variants of one parameter set: remat only pays off at long lengths.
@@ -109,7 +110,7 @@ def train_target(cfg: TargetTrainConfig, resume: bool = True) -> Path:
   return export_final(model, cfg, stream)
 
 
-def export_final(model, cfg: TargetTrainConfig, stream: TokenStream) -> Path:
+def export_final(model: Transformer, cfg: TargetTrainConfig, stream: TokenStream) -> Path:
   """HF directory with the tokenizer and the training split's unigram log-probs (the eval baseline, and the
   prior DeLS-Spec subtracts)."""
   from longspec_jax.training.eval_target import unigram_log_probs
@@ -120,7 +121,7 @@ def export_final(model, cfg: TargetTrainConfig, stream: TokenStream) -> Path:
   return final
 
 
-def load_params_from_checkpoint(cfg: TargetTrainConfig, step: int | None = None):
+def load_params_from_checkpoint(cfg: TargetTrainConfig, step: int | None = None) -> tuple[Transformer, int]:
   """Loads (model) from an orbax run directory, for export mid-training."""
   tok = load_tokenizer(cfg.tokenizer_dir)
   model_cfg, models = build(cfg, tok.get_vocab_size())

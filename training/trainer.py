@@ -13,7 +13,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import flax.struct
 import jax
@@ -29,6 +29,9 @@ from longspec_jax import sharding as shd
 from longspec_jax.distributed import agree, host_values, is_main_process
 from longspec_jax.fileio import write_json_atomic
 from longspec_jax.training.losses import DISTILL_KINDS
+
+if TYPE_CHECKING:
+  from longspec_jax.training.distill_store import DistillStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +87,7 @@ class StoreRunConfig(RunConfig):
   # as the store grows are scored on the same windows (distill_store.split_windows).
   held_out_within_tokens: int = 0
 
-  def store_split(self, store) -> tuple:
+  def store_split(self, store: DistillStore) -> tuple[np.ndarray, np.ndarray]:
     """(train, held-out) windows of `store` for this run (distill_store.split_windows; the subclass has
     val_fraction)."""
     from longspec_jax.training.distill_store import split_windows
@@ -142,7 +145,7 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def maybe_save(self, step: int, state, force: bool = False) -> bool:
+  def maybe_save(self, step: int, state: TrainState, force: bool = False) -> bool:
     # Every process saves (orbax writes each one's shards, process 0 the metadata), so all follow process 0's clock.
     if not agree(force or time.monotonic() - self.last_save >= self.every_s):
       return False
@@ -153,15 +156,16 @@ class Checkpointer:
     self.last_save = time.monotonic()
     return True
 
-  def restore(self, abstract_state, step: int | None = None):
+  def restore(self, abstract_state: TrainState, step: int | None = None) -> TrainState:
     step = self.latest_step() if step is None else step
     return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
 
-  def close(self):
+  def close(self) -> None:
     self.manager.close()
 
 
-def init_train_state(params: nnx.State, optimizer, mesh, rules=shd.DATA_PARALLEL_RULES) -> TrainState:
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, mesh: Mesh,
+                     rules: Iterable[tuple[str, str | None]] = shd.DATA_PARALLEL_RULES) -> TrainState:
   p_shard = shd.param_shardings(params, mesh, rules)
   # From host values: every process holds the same initial parameters, and a mesh may span processes.
   params = jax.device_put(jax.tree.map(np.asarray, params), p_shard)
@@ -169,7 +173,8 @@ def init_train_state(params: nnx.State, optimizer, mesh, rules=shd.DATA_PARALLEL
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
-def make_train_step(loss_fn: Callable, optimizer):
+def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """loss_fn(params, batch) -> (loss, metrics dict). Returns a jitted (state, batch) -> (state, metrics)."""
 
   @jax.jit
@@ -183,8 +188,9 @@ def make_train_step(loss_fn: Callable, optimizer):
   return train_step
 
 
-def train_loop(state: TrainState, train_step, batch_fn: Callable[[int], dict], total_steps: int,
-               checkpointer: Checkpointer, log_path: str | Path, *, log_every: int = 10,
+def train_loop(state: TrainState, train_step: Callable[[TrainState, dict], tuple[TrainState, dict]],
+               batch_fn: Callable[[int], dict], total_steps: int, checkpointer: Checkpointer, log_path: str | Path, *,
+               log_every: int = 10,
                tokens_fn: Callable[[int], int] = lambda step: 0, desc: str = "train",
                evaluate: Callable[[Any], dict] | None = None, eval_every: int = 0) -> TrainState:
   """Runs steps [state.step, total_steps), checkpointing on the clock and at the end. Safe to kill: a rerun
@@ -236,16 +242,17 @@ class Run:
     """The global batch sharded on the mesh: build_rows(rows) gives rows[lo:hi] of it, this process's rows."""
     return shd.process_batch(build_rows, batch_size, self.mesh)
 
-  def replicate(self, tree):
+  def replicate(self, tree: Any) -> Any:
     """A copy of `tree` on every device of the mesh (every process must pass the same values, e.g. a frozen
     target); jitted steps take it as an argument."""
     return jax.device_put(jax.tree.map(np.asarray, tree), shd.replicated(self.mesh))
 
-  def train_step(self, loss_fn: Callable):
+  def train_step(self, loss_fn: Callable) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     return make_train_step(loss_fn, self.optimizer)
 
-  def train(self, train_step, batch_fn: Callable[[int], dict], *, tokens_fn: Callable[[int], int],
-            desc: str, evaluate: Callable[[Any], dict] | None = None) -> bool:
+  def train(self, train_step: Callable[[TrainState, dict], tuple[TrainState, dict]],
+            batch_fn: Callable[[int], dict], *, tokens_fn: Callable[[int], int], desc: str,
+            evaluate: Callable[[Any], dict] | None = None) -> bool:
     """Trains to total_steps, or stops (checkpointed) after cfg.stop_after_steps when that is set and smaller.
     Returns whether the run is finished."""
     steps = self.total_steps
@@ -259,7 +266,7 @@ class Run:
       print(f"stopped after step {end} of {steps}; rerun the same command to continue")
     return end == steps
 
-  def local_params(self):
+  def local_params(self) -> Any:
     """The trained parameters as single-device arrays on every process (gathered where the mesh spans several),
     for export and validation outside the mesh. All processes must call it together."""
     return jax.tree.map(jnp.asarray, host_values(self.state.params))
@@ -270,7 +277,7 @@ RESUME_FREE_KEYS = frozenset({"stop_after_steps", "checkpoint_every_minutes", "l
                               "alpha_grid", "beta_grid", "tune_num_draft"})
 
 
-def start_run(cfg, params, *, resume: bool, total_steps: int | None = None,
+def start_run(cfg: Any, params: Any, *, resume: bool, total_steps: int | None = None,
               batch_sizes: tuple[int, ...] | None = None, record: dict | None = None) -> Run:
   """The setup every trainer shares: `cfg.out_dir` with train_config.json (`record`, default the config; written
   by process 0), a mesh of `cfg.mesh_data` (0 = all) data devices that divides every batch size (default

@@ -155,7 +155,7 @@ def validate(cfg: SuiteConfig) -> list[MethodSpec]:
   return methods
 
 
-def load_config(path, overrides: list[str] | None = None) -> SuiteConfig:
+def load_config(path: str | Path, overrides: list[str] | None = None) -> SuiteConfig:
   from longspec_jax.yaml_config import load_yaml
   cfg = load_yaml(SuiteConfig, path, overrides)
   validate(cfg)

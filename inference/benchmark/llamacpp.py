@@ -24,6 +24,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  from collections.abc import Sequence
 
 PEER_METHODS = ("llama.cpp-ar", "llama.cpp-lookup")
 INSTALL_HINT = 'pip install -e ".[llamacpp]" (it builds llama.cpp from source: about 5 minutes on 2 cores)'
@@ -62,7 +66,7 @@ def gguf_checkpoint(gguf: Path) -> dict:
   return {"dir": str(gguf), "sha256": h.hexdigest(), "llama_cpp_python": version("llama-cpp-python")}
 
 
-def run_peers(gguf: Path, ids: list[int], new_tokens: int, num_draft: int, methods=PEER_METHODS,
+def run_peers(gguf: Path, ids: list[int], new_tokens: int, num_draft: int, methods: Sequence[str] = PEER_METHODS,
               temperature: float = 0.0, seed: int = 0, repeats: int = 3, threads: int = 2,
               rope_scaling: str | None = None, timeout_s: float = 1800) -> dict:
   """method -> {"tokens_per_s", "prefill_ms", "decode_ms", "decode_tokens", "target_forwards", "tau", "tokens"}

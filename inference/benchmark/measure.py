@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,11 @@ from longspec_jax.drafters.base import ProposeContext, state_nbytes
 from longspec_jax.inference import engine
 from longspec_jax.kv_cache import COMPILER_OPTIONS
 
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
+  from longspec_jax.inference.draft_length import DraftLengthRule
+  from longspec_jax.model import Transformer
+
 
 class Timer:
   """Medians of timed calls; the first call of each program shape (its compilation) is not timed."""
@@ -36,14 +43,14 @@ class Timer:
     self.warm: set = set()
     self.executables: dict = {}
 
-  def compiled(self, key, program, *args, **static):
+  def compiled(self, key: Hashable, program: jax.stages.Wrapped, *args: Any, **static: Any) -> jax.stages.Compiled:
     """`program` (a jax.jit) compiled ahead of time for these arguments, once per `key`: call it with the
     non-static arguments only."""
     if key not in self.executables:
       self.executables[key] = program.lower(*args, **static).compile()
     return self.executables[key]
 
-  def timed(self, key, fn, repeats: int):
+  def timed(self, key: Hashable, fn: Callable[[], Any], repeats: int) -> tuple[Any, float]:
     """(last result, median seconds) of `repeats` calls; an untimed first call the first time `key` is seen."""
     if key not in self.warm:
       jax.block_until_ready(fn())
@@ -103,8 +110,8 @@ class SharedPrefill:
   seconds: float
 
 
-def shared_prefill(timer: Timer, graphdef, target_params, inputs: engine.GenerationInputs, max_len: int,
-                   specs) -> SharedPrefill:
+def shared_prefill(timer: Timer, graphdef: nnx.GraphDef, target_params: nnx.State, inputs: engine.GenerationInputs,
+                   max_len: int, specs: Sequence[DrafterSpec]) -> SharedPrefill:
   """The prefill of `inputs` into a cache of `max_len`, with the union of the drafter `specs`' taps and K/V needs."""
   taps = tuple(sorted({t for s in specs for t in s.taps}))
   return_kv = any(s.needs_target_kv for s in specs)
@@ -115,7 +122,8 @@ def shared_prefill(timer: Timer, graphdef, target_params, inputs: engine.Generat
   return SharedPrefill(pre, taps, seconds)
 
 
-def start_state(config: engine.GenerationConfig, params, inputs, shared: SharedPrefill) -> engine.EngineState:
+def start_state(config: engine.GenerationConfig, params: engine.GenerationParams, inputs: engine.GenerationInputs,
+                shared: SharedPrefill) -> engine.EngineState:
   d = config.drafter
   tap_index = tuple(shared.taps.index(t) for t in d.taps) if d is not None else ()
   return start_program(config, params, inputs, shared.pre, tap_index)
@@ -126,7 +134,8 @@ def _fresh(state):
   return jax.block_until_ready(jax.tree.map(lambda x: jnp.array(x, copy=True), state))
 
 
-def time_decode(timer: Timer, config: engine.GenerationConfig, params, inputs, state0: engine.EngineState,
+def time_decode(timer: Timer, config: engine.GenerationConfig, params: engine.GenerationParams,
+                inputs: engine.GenerationInputs, state0: engine.EngineState,
                 repeats: int) -> tuple[engine.EngineState, float]:
   """(final state, median seconds) of the engine's decode program run from copies of `state0`; the copies are made
   before the clock starts."""
@@ -136,8 +145,8 @@ def time_decode(timer: Timer, config: engine.GenerationConfig, params, inputs, s
   return timer.timed(key, lambda: engine.decode_program(config, params, inputs, next(copies), no_limit), repeats)
 
 
-def step_costs(timer: Timer, config: engine.GenerationConfig, params, inputs,
-               state: engine.EngineState, repeats: int) -> tuple[float, float]:
+def step_costs(timer: Timer, config: engine.GenerationConfig, params: engine.GenerationParams,
+               inputs: engine.GenerationInputs, state: engine.EngineState, repeats: int) -> tuple[float, float]:
   """(draft ms, verify ms) of one step from a start state: the drafter's proposal and one target pass over
   [pending, drafts] at the prompt's context, each timed alone (medians)."""
   d = config.drafter
@@ -153,8 +162,8 @@ def step_costs(timer: Timer, config: engine.GenerationConfig, params, inputs,
   return 1000 * draft_s, 1000 * verify_s
 
 
-def measure(timer: Timer, config: engine.GenerationConfig, params, inputs, shared: SharedPrefill, repeats: int,
-            diagnostics: bool = False) -> dict:
+def measure(timer: Timer, config: engine.GenerationConfig, params: engine.GenerationParams,
+            inputs: engine.GenerationInputs, shared: SharedPrefill, repeats: int, diagnostics: bool = False) -> dict:
   """One method (AR when config.drafter is None) on one prompt from the shared prefill: its decode loop (timed),
   tau and acceptance, and for a drafter the step's halves timed apart, its state bytes and, with `diagnostics`,
   the drafter's own diagnostics at the prompt's end. Batch of one."""
@@ -185,9 +194,10 @@ def _steps_at(config: engine.GenerationConfig, params, inputs, state: engine.Eng
 steps_at_program = jax.jit(_steps_at, static_argnums=(0, 4, 5), compiler_options=COMPILER_OPTIONS)
 
 
-def calibrate_draft_length(model, drafter, prompt_ids: list[int], sizes: tuple[int, ...], steps: int = 16,
-                           repeats: int = 3, timer: Timer | None = None, new_tokens: int = 256,
-                           prior_prompts: list[list[int]] | None = None, cost_lengths: list[int] | None = None):
+def calibrate_draft_length(model: Transformer, drafter: LoadedDrafter | DrafterSpec, prompt_ids: list[int],
+                           sizes: tuple[int, ...], steps: int = 16, repeats: int = 3, timer: Timer | None = None,
+                           new_tokens: int = 256, prior_prompts: list[list[int]] | None = None,
+                           cost_lengths: list[int] | None = None) -> tuple[DraftLengthRule, list[float], list]:
   """(rule, AR step ms per cost context, observed rates): a DraftLengthRule over `sizes` (largest = K) whose costs
   and prior rates are measured here. Costs: `steps` engine steps at each fixed size from the prefill of
   `prompt_ids` (or of its first n tokens for each n of `cost_lengths`: then one row of costs per cache length,

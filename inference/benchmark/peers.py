@@ -17,6 +17,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  import torch
+
+  from longspec_jax.model import Transformer
 
 
 class CommitClock:
@@ -27,7 +33,7 @@ class CommitClock:
     self.times: list[float] = []
     self.counts: list[int] = []
 
-  def put(self, value) -> None:
+  def put(self, value: torch.Tensor) -> None:
     self.times.append(time.perf_counter())
     self.counts.append(int(value.numel()))
 
@@ -54,8 +60,9 @@ def decode_timing(times: list[float], counts: list[int], what: str) -> dict:
           "decode_tokens": decode_tokens}
 
 
-def transformers_peers(model, model_dir: Path, drafter_dir: Path | None, prompts: list[list[int]], new_tokens: int,
-                       num_draft: int, temperature: float = 0.0, seed: int = 0, repeats: int = 3) -> dict:
+def transformers_peers(model: Transformer, model_dir: Path, drafter_dir: Path | None, prompts: list[list[int]],
+                       new_tokens: int, num_draft: int, temperature: float = 0.0, seed: int = 0,
+                       repeats: int = 3) -> dict:
   """name -> {"tokens_per_s", "prefill_ms", "decode_ms", "decode_tokens"} (medians over `repeats` calls after a
   short warm-up) for transformers AR, assisted generation (exported standalone drafter) and prompt lookup on the
   same weights as `model` (fp32, CPU; its config, RoPE-scaling override included, is exported with them), on the

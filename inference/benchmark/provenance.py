@@ -9,11 +9,20 @@ import os
 import platform
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from tokenizers import Tokenizer
+
+  from longspec_jax.config import ModelConfig
+  from longspec_jax.inference.benchmark.config import MethodSpec
+  from longspec_jax.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def target_with_provenance(model: str, rope_scaling: str = "", dtype: str = "float32"):
+def target_with_provenance(model: str, rope_scaling: str = "", dtype: str = "float32"
+                           ) -> tuple[Transformer, Tokenizer, dict]:
   """(model, tokenizer, description) for a suite config's `model:` (a named target such as smollm2-135m, a model
   directory, or "" for the shipped default), `rope_scaling:` (e.g. "yarn:2"; "" = none) and `dtype:`."""
   from longspec_jax.hf_io import weights_sha256
@@ -25,7 +34,7 @@ def target_with_provenance(model: str, rope_scaling: str = "", dtype: str = "flo
            "dtype": dtype, "weights_sha256": weights_sha256(path)})
 
 
-def drafter_checkpoint(method, target=None) -> dict | None:
+def drafter_checkpoint(method: MethodSpec, target: Transformer | ModelConfig | None = None) -> dict | None:
   """The checkpoint a method's drafter loads (directory and a hash of its weights, config.json and, when the
   method turns SharpDraft on, sharpdraft.json; with a draft vocabulary, draft_vocab.json), so that results of a
   retrained drafter are never mixed with the old ones; None for methods without a checkpoint (AR, prompt lookup).
@@ -49,7 +58,7 @@ def drafter_checkpoint(method, target=None) -> dict | None:
   return {"dir": str(path), "sha256": h.hexdigest()}
 
 
-def fingerprint(*parts) -> str:
+def fingerprint(*parts: Any) -> str:
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

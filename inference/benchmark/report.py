@@ -7,11 +7,18 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from longspec_jax.inference.benchmark.config import PROTOCOL, MethodSpec, SuiteConfig
 from longspec_jax.inference.benchmark.statistics import cell_summary, paired_difference
+
+if TYPE_CHECKING:
+  from collections.abc import Sequence
+
+  from matplotlib.axes import Axes
+  from matplotlib.figure import Figure
 
 PLOTS = ("tau_vs_context", "speedup_vs_context", "draft_ms_vs_context", "state_bytes_vs_context")
 
@@ -144,7 +151,7 @@ def markdown(results: dict, plots: tuple[str, ...] = PLOTS) -> str:
   return "\n".join(md) + "\n"
 
 
-def save_png(fig, path: Path) -> None:
+def save_png(fig: Figure, path: Path) -> None:
   """Save a matplotlib figure as a 128-colour palette PNG: a quarter of the RGBA file's bytes for line plots with
   CI bands, with no visible change (committed result folders carry many of them)."""
   import io
@@ -155,7 +162,7 @@ def save_png(fig, path: Path) -> None:
   Image.open(buf).convert("RGB").quantize(colors=128, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
 
 
-def context_axis(ax, contexts, fontsize=None) -> None:
+def context_axis(ax: Axes, contexts: Sequence[int], fontsize: float | str | None = None) -> None:
   """x = context on a log2 scale, ticked at the contexts run (4096 -> "4K"; 512 and 8000 as numbers)."""
   from matplotlib.ticker import NullLocator
   ax.set_xscale("log", base=2)

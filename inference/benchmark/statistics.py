@@ -3,10 +3,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
+if TYPE_CHECKING:
+  from collections.abc import Callable
 
-def bootstrap_ci(values, n_boot: int = 10000, ci: float = 0.95, seed: int = 0, stat=None) -> tuple[float, float]:
+  from numpy.typing import ArrayLike
+
+
+def bootstrap_ci(values: ArrayLike, n_boot: int = 10000, ci: float = 0.95, seed: int = 0,
+                 stat: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[float, float]:
   """Percentile bootstrap CI over the first axis of `values` (prompts). `stat` maps a resampled array [n_boot, n,
   ...] to [n_boot] (default: the mean over prompts)."""
   values = np.asarray(values, np.float64)
@@ -17,13 +25,13 @@ def bootstrap_ci(values, n_boot: int = 10000, ci: float = 0.95, seed: int = 0, s
   return float(lo), float(hi)
 
 
-def ratio_of_rates(x) -> np.ndarray:
+def ratio_of_rates(x: np.ndarray) -> np.ndarray:
   """x [..., n, 4] = (tokens, seconds, AR tokens, AR seconds) per prompt -> (sum tok / sum s) / (AR same)."""
   s = x.sum(axis=-2)
   return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
 
 
-def acceptance_per_position(hist) -> list[float]:
+def acceptance_per_position(hist: ArrayLike) -> list[float]:
   """P(at least i+1 drafts accepted | verification pass), i = 0..K-1, from a histogram of 0..K accepted."""
   hist = np.asarray(hist)
   return [float(hist[i + 1:].sum() / max(hist.sum(), 1)) for i in range(len(hist) - 1)]

@@ -23,6 +23,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -34,6 +35,11 @@ from longspec_jax.inference.benchmark.llamacpp import PEER_METHODS
 from longspec_jax.inference.benchmark.config import MethodSpec, SuiteConfig, validate
 from longspec_jax.inference.benchmark.prompts import prompt_ids, select_cuts
 from longspec_jax.inference.draft_length import read_draft_length
+
+if TYPE_CHECKING:
+  from collections.abc import Callable
+
+  from longspec_jax.model import Transformer
 
 
 def cell_path(out: Path, method: MethodSpec, context: int, temperature: float) -> Path:
@@ -71,7 +77,8 @@ class Method:
     return (self.spec.num_draft or DEFAULT_NUM_DRAFT) if self.spec.name == "llama.cpp-lookup" else 0
 
 
-def load_methods(methods: list[MethodSpec], model, cfg: SuiteConfig, log) -> tuple[dict[str, Method], dict]:
+def load_methods(methods: list[MethodSpec], model: Transformer, cfg: SuiteConfig,
+                 log: Callable[[str], None]) -> tuple[dict[str, Method], dict]:
   """(method text -> Method, method text -> why it was skipped). `engine.prepare` on a prompt of the longest
   context checks each drafter as a generation call would (vocabulary, K against its limit, fit in the target's
   context) and resolves its default K."""

@@ -69,7 +69,7 @@ def _exit_on_interrupt(command: str):
   return handler
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
   """Exit codes: 0 success; 2 bad flags or inputs (argparse's convention, used for every validation error); 130
   interrupted (Ctrl-C)."""
   # transformers (imported for its tokenizer class) advises installing torch, which nothing here needs.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from longspec_jax.argtypes import add_command, ascending_lengths, positive_int
 from longspec_jax.drafters.registry import DEFAULT_NUM_DRAFT
@@ -11,6 +12,9 @@ from longspec_jax.inference.cli.flags import (add_method_flags, add_output_flags
                                               check_draft_length_target, check_method_flags, check_output_file,
                                               draft_length_arg, drafter_options, model_dir, num_draft_int, progress,
                                               read_text_file, target_from_flags, write_json)
+
+if TYPE_CHECKING:
+  import argparse
 
 BENCH_EPILOG = """\
 output (JSON on stdout, and in --json OUT):
@@ -24,7 +28,7 @@ output (JSON on stdout, and in --json OUT):
 Progress goes to stderr (off with --quiet)."""
 
 
-def cmd_bench(a) -> int:
+def cmd_bench(a: argparse.Namespace) -> int:
   import importlib.util
 
   from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, drafter_entry, drafter_path
@@ -88,7 +92,7 @@ def cmd_bench(a) -> int:
   return 0
 
 
-def cmd_bench_suite(a) -> int:
+def cmd_bench_suite(a: argparse.Namespace) -> int:
   from longspec_jax.inference.benchmark.config import load_config
   from longspec_jax.inference.benchmark.suite import run_suite
   cfg = load_config(a.config, a.set)
@@ -100,7 +104,7 @@ def cmd_bench_suite(a) -> int:
   return 1 if res["runs"][-1]["failed"] else 0  # a method that could not be built
 
 
-def cmd_calibrate_draft_length(a) -> int:
+def cmd_calibrate_draft_length(a: argparse.Namespace) -> int:
   text = read_text_file(a.prompt_file, "prompt file")
   from longspec_jax.drafters import check_drafter_options
   check_drafter_options(a.method)
@@ -151,7 +155,7 @@ def cmd_calibrate_draft_length(a) -> int:
   return 0
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction) -> None:
   from longspec_jax.drafters import method_names
 
   bn = add_command(sub, "bench", "a speculative method vs jitted AR in the same process",

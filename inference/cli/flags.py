@@ -8,11 +8,20 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from longspec_jax.argtypes import checked, int_arg, nonneg_float, nonneg_int, positive_int, unit_float
 from longspec_jax.compile_cache import ENV_VAR as COMPILE_CACHE_ENV
 from longspec_jax.drafters.registry import DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT
 from longspec_jax.targets import TARGET_DTYPES
+
+if TYPE_CHECKING:
+  from collections.abc import Callable, Collection
+
+  from tokenizers import Tokenizer
+
+  from longspec_jax.inference.draft_length import DraftLengthRule
+  from longspec_jax.model import Transformer
 
 # --- the target -------------------------------------------------------------------------------------------------
 
@@ -29,7 +38,7 @@ ROPE_HELP = "RoPE scaling override to run past the trained context, e.g. yarn:2 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "float8"}
 
 
-def dtype_arg(allowed):
+def dtype_arg(allowed: Collection[str]) -> Callable[[str], str]:
   """An argparse type for a --dtype flag: a name of the one vocabulary (or an alias of one) among `allowed`."""
   def convert(text: str) -> str:
     value = DTYPE_ALIASES.get(text, text)
@@ -49,7 +58,8 @@ def rope_scaling_arg(value: str) -> str:
   return value
 
 
-def add_target_flags(p, *, rope: bool = True, dtype: bool = True, aliases: tuple[str, ...] = ()) -> None:
+def add_target_flags(p: argparse.ArgumentParser, *, rope: bool = True, dtype: bool = True,
+                     aliases: tuple[str, ...] = ()) -> None:
   """--model (with `aliases`: the names a command first gave it, e.g. --target), --rope-scaling, --dtype."""
   p.add_argument("--model", *aliases, dest="model", help=MODEL_HELP)
   if rope:
@@ -65,7 +75,7 @@ def model_dir(arg: str | None) -> Path:
   return resolve_target_dir(arg)
 
 
-def target_from_flags(a):
+def target_from_flags(a: argparse.Namespace) -> tuple[Transformer, Tokenizer, Path]:
   """(model, tokenizer, model dir) for the target flags."""
   from longspec_jax.targets import load_target
   from longspec_jax.tokenizer import load_tokenizer
@@ -101,7 +111,8 @@ PARTS_HELP = ("--method combined: the parts that are on, joined by '+' (of longs
 DRAFTER_OPTIONS = ("sharpdraft", "budget", "learned", "draft_vocab", "parts")
 
 
-def add_method_flags(p, *, required: bool = False, help: str = "drafting method; ar = plain autoregression") -> None:
+def add_method_flags(p: argparse.ArgumentParser, *, required: bool = False,
+                     help: str = "drafting method; ar = plain autoregression") -> None:
   """--method and everything that shapes its drafts: --num-draft, --drafter, the drafter options, --draft-length,
   --tree."""
   from longspec_jax.drafters import LEARNED_METHODS, method_names
@@ -120,12 +131,12 @@ def add_method_flags(p, *, required: bool = False, help: str = "drafting method;
   p.add_argument("--tree", metavar="PATHS", help=TREE_HELP)
 
 
-def drafter_options(a) -> dict:
+def drafter_options(a: argparse.Namespace) -> dict:
   """The drafter options the flags set, as load_drafter's keyword arguments."""
   return {name: getattr(a, name) for name in DRAFTER_OPTIONS}
 
 
-def check_method_flags(a, *, peer_drafter: bool = False) -> None:
+def check_method_flags(a: argparse.Namespace, *, peer_drafter: bool = False) -> None:
   """Flags that the chosen method (or sampling mode) would ignore are refused, before any model loads.
   `peer_drafter`: --drafter may serve a peer (bench's transformers assisted generation) under --method ar."""
   from longspec_jax.drafters import check_drafter_options
@@ -151,13 +162,13 @@ def check_method_flags(a, *, peer_drafter: bool = False) -> None:
   check_sampling_flags(a)
 
 
-def check_draft_length_target(a, target_dir: Path) -> None:
+def check_draft_length_target(a: argparse.Namespace, target_dir: Path) -> None:
   """A rule JSON must be calibrated for this run's target and dtype (calibrate-draft-length records both)."""
   from longspec_jax.inference.draft_length import check_rule_target
   check_rule_target(a.draft_length, str(a.model or target_dir.name), getattr(a, "dtype", "float32"))
 
 
-def draft_length_arg(a):
+def draft_length_arg(a: argparse.Namespace) -> str | DraftLengthRule:
   """--draft-length: "fixed", "auto", or a rule JSON file (from calibrate-draft-length)."""
   from longspec_jax.inference.draft_length import read_draft_length
   return read_draft_length(a.draft_length)
@@ -168,7 +179,7 @@ def draft_length_arg(a):
 SEED_HELP = "random seed for sampling (--temperature > 0), default 0"
 
 
-def add_sampling_flags(p, *, nucleus: bool = True) -> None:
+def add_sampling_flags(p: argparse.ArgumentParser, *, nucleus: bool = True) -> None:
   """--temperature, --seed, and (generate) --top-k / --top-p."""
   p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature; 0 = greedy")
   if nucleus:
@@ -177,7 +188,7 @@ def add_sampling_flags(p, *, nucleus: bool = True) -> None:
   p.add_argument("--seed", type=nonneg_int, help=SEED_HELP)
 
 
-def check_sampling_flags(a) -> None:
+def check_sampling_flags(a: argparse.Namespace) -> None:
   """Sampling flags under greedy decoding would be ignored: refused. Fills in the seed's default."""
   if a.temperature == 0 and (getattr(a, "top_k", 0) != 0 or getattr(a, "top_p", 1.0) != 1.0):
     raise ValueError("--top-k and --top-p shape sampling; with --temperature 0 (greedy) they would be ignored")
@@ -192,8 +203,8 @@ COMPILE_CACHE_HELP = (f"directory of JAX's persistent compilation cache, or 'off
                       "set, else jax_cache/ in the target cache directory, ~/.cache/longspec_jax)")
 
 
-def add_output_flags(p, *, json_help: str = "also write the result here", quiet: str = "no progress messages on "
-                     "stderr") -> None:
+def add_output_flags(p: argparse.ArgumentParser, *, json_help: str = "also write the result here",
+                     quiet: str = "no progress messages on stderr") -> None:
   """--json OUT and --quiet (each unless its help is "")."""
   if json_help:
     p.add_argument("--json", metavar="OUT", help=json_help)
@@ -217,7 +228,7 @@ def write_json(path: str | None, obj: dict) -> None:
     write_json_atomic(Path(path), obj)
 
 
-def progress(a):
+def progress(a: argparse.Namespace) -> Callable[[str], None]:
   """A `log(message)` that prints to stderr with the elapsed time, or does nothing with --quiet."""
   t0 = time.perf_counter()
 

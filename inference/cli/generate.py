@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from longspec_jax.argtypes import add_command, positive_int
 from longspec_jax.inference.cli.flags import (COMPILE_CACHE_HELP, add_method_flags, add_output_flags,
                                               add_sampling_flags, add_target_flags, check_draft_length_target,
                                               check_method_flags, check_output_file, draft_length_arg, drafter_options,
                                               model_dir, progress, read_text_file, target_from_flags, write_json)
+
+if TYPE_CHECKING:
+  import argparse
 
 GENERATE_EPILOG = """\
 output: the text on stdout; on stderr, the new tokens, decode tokens/s (the decode loop's tokens over its time,
@@ -49,7 +53,7 @@ class TextStream:
     self.out.flush()
 
 
-def cmd_generate(a) -> int:
+def cmd_generate(a: argparse.Namespace) -> int:
   from longspec_jax.compile_cache import enable_compile_cache
   if (a.prompt is None) == (a.prompt_file is None):
     raise ValueError("give exactly one of --prompt TEXT or --prompt-file F")
@@ -150,7 +154,7 @@ def cmd_generate(a) -> int:
   return 0
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction) -> None:
   g = add_command(sub, "generate", "generate text with the target, plain or speculative (--method)",
       "Generate a continuation of a prompt with the target model, autoregressively or\n"
       "with a speculative --method (lossless: greedy output equals AR's). The text\n"

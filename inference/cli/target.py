@@ -6,21 +6,25 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from longspec_jax import ASSETS_DIR
 from longspec_jax.argtypes import add_command, positive_int
 from longspec_jax.inference.cli.flags import (add_output_flags, add_target_flags, check_output_file, dtype_arg,
                                               read_text_file, target_from_flags, write_json)
 
+if TYPE_CHECKING:
+  import argparse
 
-def cmd_corpus(a) -> int:
+
+def cmd_corpus(a: argparse.Namespace) -> int:
   from longspec_jax.training.data import CorpusConfig, build_corpus
   out = build_corpus(a.out, CorpusConfig())
   print((out / "manifest.json").read_text())
   return 0
 
 
-def cmd_tokenizer(a) -> int:
+def cmd_tokenizer(a: argparse.Namespace) -> int:
   from longspec_jax.tokenizer import save_hf_tokenizer, train_bpe
   from longspec_jax.training.data import load_corpus
   texts = load_corpus(a.corpus)["train"]["text"]
@@ -29,7 +33,7 @@ def cmd_tokenizer(a) -> int:
   return 0
 
 
-def cmd_train_target(a) -> int:
+def cmd_train_target(a: argparse.Namespace) -> int:
   from longspec_jax.training.train_target import TargetTrainConfig, train_target
   from longspec_jax.yaml_config import load_yaml
   cfg = load_yaml(TargetTrainConfig, a.config, a.set)
@@ -37,7 +41,7 @@ def cmd_train_target(a) -> int:
   return 0
 
 
-def cmd_export_hf(a) -> int:
+def cmd_export_hf(a: argparse.Namespace) -> int:
   from longspec_jax.hf_io import save_model_dir
   out = Path(a.out)
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -49,14 +53,14 @@ def cmd_export_hf(a) -> int:
   return 0
 
 
-def cmd_import_gguf(a) -> int:
+def cmd_import_gguf(a: argparse.Namespace) -> int:
   from longspec_jax.gguf_import import import_gguf
   out = import_gguf(a.gguf, a.out, dtype={"float32": "fp32", "bfloat16": "bf16"}[a.dtype])
   print(f"wrote {out}")
   return 0
 
 
-def cmd_eval_target(a) -> int:
+def cmd_eval_target(a: argparse.Namespace) -> int:
   from longspec_jax import long_doc_paths
 
   files = [Path(f) for f in a.text_file] if a.text_file else long_doc_paths()
@@ -82,7 +86,7 @@ def cmd_eval_target(a) -> int:
   return 0
 
 
-def cmd_memory(a) -> int:
+def cmd_memory(a: argparse.Namespace) -> int:
   path = Path(a.config)
   path = path / "config.json" if path.is_dir() else path
   if not path.is_file():
@@ -97,7 +101,7 @@ def cmd_memory(a) -> int:
   return 0
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction) -> None:
   c = add_command(sub, "corpus", "build the stdlib-source corpus (datasets/Arrow, split by document)",
       "Collect every UTF-8 .py file of this CPython's standard library (no site-packages)\n"
       "into a datasets/Arrow corpus, split train/validation/test/long_test by a hash of\n"

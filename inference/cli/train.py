@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from longspec_jax import ASSETS_DIR
 from longspec_jax.argtypes import add_command, fraction, int_list, nonneg_float, nonneg_int, positive_int
 from longspec_jax.drafters import ENTRIES, SHARPDRAFT_METHODS
 from longspec_jax.inference.cli.flags import add_output_flags, add_target_flags, dtype_arg
 from longspec_jax.sharpdraft_names import ALPHA_RULES, GRANULARITIES, SHARPDRAFT_FILE
+
+if TYPE_CHECKING:
+  import argparse
 
 DEFAULT_CONFIGS = ASSETS_DIR / "configs"
 # --drafter NAME: the methods whose registry entry names a trainer; DEFAULT_CONFIGS/drafter_NAME.yaml their config.
@@ -19,7 +23,7 @@ TARGET_ALIASES = ("--target",)  # the name these commands first gave --model
 FEATURE_DTYPES = {"bfloat16": "bf16", "float8": "fp8"}  # the store's storage names, in the one dtype vocabulary
 
 
-def cmd_make_drafter_data(a) -> int:
+def cmd_make_drafter_data(a: argparse.Namespace) -> int:
   from longspec_jax import default_target_dir
   from longspec_jax.targets import resolve_target_dir
   from longspec_jax.training.drafter_data import MANIFEST, DrafterDataConfig, make_drafter_data
@@ -54,7 +58,7 @@ def _cache_features(cfg, taps_spec: str, kv_layers) -> None:
         f"({size / sum(rows) * 1024 / 2**20:.2f} MiB per 1K tokens), {time.time() - t0:.0f} s this run")
 
 
-def cmd_make_distill_store(a) -> int:
+def cmd_make_distill_store(a: argparse.Namespace) -> int:
   from longspec_jax.config import ModelConfig
   from longspec_jax.targets import resolve_target_dir
   from longspec_jax.training.distill_store import INDEX, DistillStoreConfig, build_distill_store
@@ -75,7 +79,7 @@ def cmd_make_distill_store(a) -> int:
   return 0
 
 
-def cmd_train_drafter(a) -> int:
+def cmd_train_drafter(a: argparse.Namespace) -> int:
   from longspec_jax.yaml_config import load_yaml
 
   if a.multi_view_budgets:
@@ -89,7 +93,7 @@ def cmd_train_drafter(a) -> int:
   return 0
 
 
-def cmd_calibrate_sharpdraft(a) -> int:
+def cmd_calibrate_sharpdraft(a: argparse.Namespace) -> int:
   from longspec_jax.training.calibrate_sharpdraft import run_calibration, summary
   out = run_calibration(a.drafter, a.drafter_dir, a.model, a.corpus, a.granularity, a.rule, a.fit_max_keys,
                         a.num_windows, a.batch, a.seed, a.n0, a.out)
@@ -105,7 +109,7 @@ def _corpus_out(parser, out_default: str) -> None:
   parser.add_argument("--out", default=out_default, help="output directory")
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction) -> None:
   m = add_command(
       sub, "make-drafter-data", "generate drafter training data: corpus prompts continued by the target",
       "Continue prompts cut from the corpus train split with the target (half greedy, half sampled)\n"

@@ -5,14 +5,17 @@ them here. Importing this package does not import jax: the CLI parser lists meth
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from longspec_jax import ASSETS_DIR
 from longspec_jax.drafters.registry import DrafterEntry, read_entries
 
 if TYPE_CHECKING:
+  from longspec_jax.config import ModelConfig
   from longspec_jax.drafters.base import LoadedDrafter
+  from longspec_jax.model import Transformer
 
 SHIPPED_DRAFTERS_DIR = ASSETS_DIR / "drafters"
 ENTRIES: dict[str, DrafterEntry] = read_entries(Path(__file__).parent, __name__)
@@ -116,7 +119,8 @@ def _shipped(name: str, drafter_dir, target=None) -> Path:
   return path
 
 
-def drafter_path(name: str, drafter_dir=None, target=None, learned: str | None = None) -> Path:
+def drafter_path(name: str, drafter_dir: str | os.PathLike | None = None,
+                 target: Transformer | ModelConfig | None = None, learned: str | None = None) -> Path:
   """The checkpoint directory a method's drafter loads from (`drafter_dir` or the one shipped for `target`, a
   model or its config; None = the shipped 8.4M target): for a composite method given `learned`, that drafter's.
   FileNotFoundError for a method that loads none."""
@@ -126,7 +130,7 @@ def drafter_path(name: str, drafter_dir=None, target=None, learned: str | None =
   return _shipped(checkpoint, drafter_dir, target)
 
 
-def given_options(**options) -> dict:
+def given_options(**options: Any) -> dict:
   """The drafter options that were set (None = the method's default, left to its loader)."""
   return {name: value for name, value in options.items() if value is not None}
 
@@ -141,7 +145,7 @@ def check_architecture(entry: DrafterEntry, path: Path) -> None:
                      + f", not one for method {entry.name} ({' or '.join(entry.architectures)})")
 
 
-def load_drafter(name: str, target, drafter_dir=None, sharpdraft: str = "off",
+def load_drafter(name: str, target: Transformer, drafter_dir: str | os.PathLike | None = None, sharpdraft: str = "off",
                  budget: int | None = None, learned: str | None = None,
                  draft_vocab: int | None = None, parts: str | None = None) -> LoadedDrafter | None:
   """The drafter of method `name` (see method_names()) for `target`, for `generate(..., drafter=)`; None for "ar".

@@ -64,23 +64,35 @@ class Drafter(Protocol):
   # True when the state catches up on committed tokens only in propose (update is a no-op): a step that verifies
   # no drafts must still call propose (for one draft, discarded). False: update alone keeps the state current.
   catch_up_in_propose: bool
-  # Optional capabilities are declared by the method's registry entry (registry.DrafterEntry): `diagnostics(params,
-  # state, ctx) -> dict[str, Array]` (entry.diagnostics; e.g. LongSpark's attention mass per view, recorded by the
-  # bench suite) and `attention_logits(params, target, tokens)` (entry.sharpdraft; SharpDraft calibration).
-  # For the per-step draft length (inference/draft_length.py), a spec may also define `draft_classes: int` with
-  # `draft_class(ctx) -> [B] int32` (classes whose acceptance differs, known before proposing: prompt lookup's
-  # matched n-gram length) and `proposal_cost_scale: tuple[float, ...]` (the proposal's cost per class relative to
-  # a learned drafter's pass, the last entry repeating; default (1.0,)). A scale of 0 also declares that the class's
-  # proposal reads no drafter state: a step whose active sequences all have such classes (or that drafts nothing)
-  # holds its committed rows, and `update` reads them in one call before the next proposal that reads the state
-  # (engine.DeferredRows); `update` must therefore accept any number of rows, all committed.
+  # Optional abilities: those of a model are declared by the method's registry entry (registry.DrafterEntry):
+  # `diagnostics(params, state, ctx) -> dict[str, Array]` (entry.diagnostics; e.g. LongSpark's attention mass per
+  # view, recorded by the bench suite) and `attention_logits(params, target, tokens)` (entry.sharpdraft; SharpDraft
+  # calibration); those of the engine's use by the spec's class attributes, with DrafterSpec's defaults.
 
-  def init_state(self, params, prefill: PrefillResult, max_len: int) -> Any: ...
+  def init_state(self, params: Any, prefill: PrefillResult, max_len: int) -> Any: ...
 
-  def propose(self, params, state, ctx: ProposeContext, key: jax.Array, num_draft: int,
+  def propose(self, params: Any, state: Any, ctx: ProposeContext, key: jax.Array, num_draft: int,
               sample: bool) -> tuple[jax.Array, jax.Array | None, Any]: ...
 
-  def update(self, params, state, verify: VerifyResult) -> Any: ...
+  def update(self, params: Any, state: Any, verify: VerifyResult) -> Any: ...
+
+
+class DrafterSpec:
+  """The base of every drafter spec: the optional abilities the engine asks a drafter about, declared as class
+  attributes (a spec overrides those it has), so nothing is found by probing for methods."""
+  # The per-step draft length (inference/draft_length.py): classes whose acceptance differs, known before proposing
+  # (`draft_class(ctx) -> [B] int32` when more than 1: prompt lookup's matched n-gram length), and the proposal's
+  # cost per class relative to a learned drafter's pass (the last entry repeating). A scale of 0 also declares that
+  # the class's proposal reads no drafter state: a step whose active sequences all have such classes (or that
+  # drafts nothing) holds its committed rows, and `update` reads them in one call before the next proposal that
+  # reads the state (engine.DeferredRows); `update` must therefore accept any number of rows, all committed.
+  draft_classes: int = 1
+  proposal_cost_scale: tuple[float, ...] = (1.0,)
+  # Greedy tree drafting: `propose_tree(params, state, ctx, tree) -> (node tokens [B, N], state)` (EAGLE-3).
+  drafts_trees: bool = False
+  # One pass over a mask-filled block: `block_logits(params, state, pending, num_draft)` (DFlash, LongSpark, their
+  # ensemble), what DeLS corrects.
+  drafts_blocks: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +106,7 @@ def _of_inner(name: str) -> property:
   return property(lambda self: getattr(self.inner, name, None), doc=f"the inner drafter's {name}")
 
 
-class ReadsLikeInner:
+class ReadsLikeInner(DrafterSpec):
   """For a drafter built around another (`inner`): the target reads it asks for are its inner drafter's (taps, K/V
   rows), over the same vocabulary and block limit (None where the inner drafter has none)."""
   taps = _of_inner("taps")
@@ -103,21 +115,21 @@ class ReadsLikeInner:
   max_draft_tokens = _of_inner("max_draft_tokens")
 
 
-def default_num_draft(spec) -> int:
+def default_num_draft(spec: Drafter) -> int:
   """K when the caller gives none: 8, or the drafter's block limit if smaller (LongSpark drafts at most 7)."""
   limit = max_draft_tokens(spec)
   return DEFAULT_NUM_DRAFT if limit is None else min(DEFAULT_NUM_DRAFT, limit)
 
 
-def max_draft_tokens(spec) -> int | None:
+def max_draft_tokens(spec: Drafter) -> int | None:
   """The most drafts one proposal of `spec` can hold (its declared `max_draft_tokens`); None = unbounded."""
   return spec.max_draft_tokens
 
 
-def state_nbytes(state) -> int:
+def state_nbytes(state: Any) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))
 
 
-def one_hot_probs(tokens, vocab_size: int):
+def one_hot_probs(tokens: jax.Array, vocab_size: int) -> jax.Array:
   """Deterministic drafters sample from a point mass: q = one-hot."""
   return jax.nn.one_hot(tokens, vocab_size, dtype=jnp.float32)

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longspec_jax.attention import dense_masked_attention
-from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
 from longspec_jax.drafters.dflash import DFlashDrafter
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.drafters.pard import pick_token
@@ -40,6 +43,10 @@ from longspec_jax.rope import rope_frequencies
 from longspec_jax.pallas_kernels.length_masked_attention import (length_masked_attention, merge_attention_views,
                                                                  select_chunks)
 from longspec_jax.pallas_kernels.sparse_kv_gather import chunk_positions, gather_kv_chunks
+
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
+  from longspec_jax.model import Transformer
 
 CHUNK = 8  # tokens per selectable chunk (the paper's chunk size)
 _LAST = 2 ** 30  # sorts empty slots (-1) after every real chunk index
@@ -72,14 +79,15 @@ def check_budget(budget: int) -> None:
                      f"more), got {budget!r}")
 
 
-def selection_lengths(prompt_lens, budget, keep_recent: bool):
+def selection_lengths(prompt_lens: jax.Array, budget: int | jax.Array, keep_recent: bool) -> jax.Array:
   """Prompt keys the selection may draw from: all of them, or (paper rule, prompt over budget) full chunks only."""
   if keep_recent:
     return prompt_lens
   return jnp.where(prompt_lens <= budget, prompt_lens, prompt_lens // CHUNK * CHUNK)
 
 
-def select_budget_chunks(k, prompt_lens, budget: int, keep_recent: bool = True, num_chunks=None):
+def select_budget_chunks(k: jax.Array, prompt_lens: jax.Array, budget: int, keep_recent: bool = True,
+                         num_chunks: jax.Array | None = None) -> jax.Array:
   """Chunk indices kept for one layer: [B, Hkv, budget // 8] int32 in rank order (sink, recent chunk, then the
   best-scoring first), -1 = empty. k [B, S, Hkv, D] are the layer's prompt keys (S a multiple of 8).
 
@@ -100,13 +108,14 @@ def select_budget_chunks(k, prompt_lens, budget: int, keep_recent: bool = True, 
   return jnp.where(jnp.arange(n_sel) < used[:, None, None], idx, -1)
 
 
-def sorted_chunks(idx):
+def sorted_chunks(idx: jax.Array) -> jax.Array:
   """Ascending chunk order with empty slots last, so the valid rows of a gathered buffer form a prefix."""
   s = jnp.sort(jnp.where(idx < 0, _LAST, idx), axis=-1)
   return jnp.where(s == _LAST, -1, s)
 
 
-def sparse_prompt_view(ks, vs, prompt_lens, budget: int, keep_recent: bool):
+def sparse_prompt_view(ks: Sequence[jax.Array], vs: Sequence[jax.Array], prompt_lens: jax.Array, budget: int,
+                       keep_recent: bool) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
   """Per layer, the prompt keys / values [B, S, Hkv, D] (S a multiple of 8) cut to the chunks the budget keeps:
   (k_sel list, v_sel list, num_sel [B]), each k_sel [B, budget, Hkv, D] with its valid rows a prefix."""
   k_sel, v_sel = [], []
@@ -121,7 +130,7 @@ def sparse_prompt_view(ks, vs, prompt_lens, budget: int, keep_recent: bool):
 
 
 @dataclasses.dataclass(frozen=True)
-class BudgetDrafter:
+class BudgetDrafter(DrafterSpec):
   graphdef: nnx.GraphDef
   vocab_size: int
   budget: int = 256
@@ -138,7 +147,7 @@ class BudgetDrafter:
     if self.tail_tokens < 1:
       raise ValueError(f"tail_tokens must be >= 1, got {self.tail_tokens}")
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: nnx.State, prefill: PrefillResult, max_len: int) -> BudgetState:
     del max_len  # the state's size depends on the budget and the tail, never on the sequence length
     model = nnx.merge(self.graphdef, params)
     toks, lens = prefill.prompt_tokens, prefill.prompt_lens
@@ -155,7 +164,8 @@ class BudgetDrafter:
                        k_tail=jnp.zeros(tail, cache.k[0].dtype), v_tail=jnp.zeros(tail, cache.v[0].dtype),
                        tail_pos=jnp.full((b, self.tail_tokens), -1, jnp.int32), prompt_lens=lens)
 
-  def forward(self, params, state: BudgetState, tokens, positions, write, logits_at=None):
+  def forward(self, params: nnx.State, state: BudgetState, tokens: jax.Array, positions: jax.Array, write: jax.Array,
+              logits_at: jax.Array | None = None) -> tuple[jax.Array, BudgetState]:
     """Runs `tokens` [B, T] at `positions` [B, T] against the sparse prompt view and the tail; rows with
     write[b, t] False are neither stored nor seen. Returns (logits [B, T or P, V], new state)."""
     model = nnx.merge(self.graphdef, params)
@@ -185,7 +195,8 @@ class BudgetDrafter:
       h = jnp.take_along_axis(h, logits_at[..., None], axis=1)
     return model.logits_from_hidden(h), state.replace(k_tail=kt, v_tail=vt, tail_pos=tail_pos)
 
-  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+  def propose(self, params: nnx.State, state: BudgetState, ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, BudgetState]:
     k = num_draft
     keys = jax.random.split(key, k)
     n_tok = ctx.num_tokens
@@ -205,18 +216,19 @@ class BudgetDrafter:
       probs.append(q)
     return jnp.stack(drafts, axis=1), (jnp.stack(probs, axis=1) if sample else None), state
 
-  def update(self, params, state, verify):
+  def update(self, params: nnx.State, state: BudgetState, verify: VerifyResult) -> BudgetState:
     return state
 
 
-def budget_from_model(model, budget: int = 256, keep_recent: bool = True, tail_tokens: int = 256) -> LoadedDrafter:
+def budget_from_model(model: Transformer, budget: int = 256, keep_recent: bool = True,
+                      tail_tokens: int = 256) -> LoadedDrafter:
   graphdef, params = nnx.split(model)
   spec = BudgetDrafter(graphdef=graphdef, vocab_size=model.cfg.vocab_size, budget=budget, keep_recent=keep_recent,
                        tail_tokens=tail_tokens)
   return LoadedDrafter(spec, params)
 
 
-def load_budget(drafter_dir, budget: int = 256, keep_recent: bool | None = None) -> LoadedDrafter:
+def load_budget(drafter_dir: str | os.PathLike, budget: int = 256, keep_recent: bool | None = None) -> LoadedDrafter:
   """keep_recent None: the rule the checkpoint was trained with (drafter.json), else keep the recent chunk."""
   from longspec_jax.hf_io import load_model_dir
   if keep_recent is None:
@@ -224,13 +236,13 @@ def load_budget(drafter_dir, budget: int = 256, keep_recent: bool | None = None)
   return budget_from_model(load_model_dir(drafter_dir), budget, keep_recent)
 
 
-def trained_keep_recent(drafter_dir) -> bool:
+def trained_keep_recent(drafter_dir: str | os.PathLike) -> bool:
   """The selection rule a checkpoint was trained with (drafter.json's budget_keep_recent; True when absent)."""
   meta_path = Path(drafter_dir) / "drafter.json"
   return json.loads(meta_path.read_text()).get("budget_keep_recent", True) if meta_path.exists() else True
 
 
-def load_for_target(drafter_dir, target, budget: int = 256) -> LoadedDrafter:
+def load_for_target(drafter_dir: str | os.PathLike, target: Transformer, budget: int = 256) -> LoadedDrafter:
   del target  # the drafter reads only tokens
   return load_budget(drafter_dir, budget)
 
@@ -263,7 +275,7 @@ class DFlashBudgetDrafter(DFlashDrafter):
     if self.tail_tokens <= self.cfg.block_size:  # a verify pass writes block_size rows into the ring
       raise ValueError(f"tail_tokens must exceed the block size {self.cfg.block_size}, got {self.tail_tokens}")
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: dict, prefill: PrefillResult, max_len: int) -> DFlashBudgetState:
     del max_len  # the state's size depends on the budget and the tail, never on the sequence length
     model = self._model(params)
     taps, lens = prefill.taps, prefill.prompt_lens
@@ -280,7 +292,7 @@ class DFlashBudgetDrafter(DFlashDrafter):
                              tail_pos=jnp.full((b, self.tail_tokens), -1, jnp.int32), prompt_lens=lens,
                              length=lens.astype(jnp.int32))
 
-  def context_views(self, li, q, state: DFlashBudgetState) -> list:
+  def context_views(self, li: int, q: jax.Array, state: DFlashBudgetState) -> list:
     t = q.shape[1]
     seen = (state.tail_pos >= state.prompt_lens[:, None]) & (state.tail_pos < state.length[:, None])  # [B, W]
     return [length_masked_attention(q, state.k_sel[li].astype(q.dtype), state.v_sel[li].astype(q.dtype),
@@ -289,12 +301,13 @@ class DFlashBudgetDrafter(DFlashDrafter):
                                    jnp.broadcast_to(seen[:, None], (q.shape[0], t, seen.shape[1])),
                                    return_lse=True)]
 
-  def block_logits(self, params, state, pending, num_draft: int, record=None):
+  def block_logits(self, params: dict, state: DFlashBudgetState, pending: jax.Array, num_draft: int,
+                   record: list | None = None) -> jax.Array:
     if record is not None:
       raise ValueError("attention logits are recorded for the full-context DFlash only (SharpDraft calibration)")
     return super().block_logits(params, state, pending, num_draft)
 
-  def update(self, params, state: DFlashBudgetState, verify):
+  def update(self, params: dict, state: DFlashBudgetState, verify: VerifyResult) -> DFlashBudgetState:
     pos, k, v = self.verified_context_kv(params, verify)
     rows = jnp.arange(pos.shape[0])[:, None]
     slot = pos % self.tail_tokens
@@ -305,7 +318,8 @@ class DFlashBudgetDrafter(DFlashDrafter):
                          length=(verify.num_tokens - 1).astype(jnp.int32))
 
 
-def load_dflash_budget(drafter_dir, target, budget: int = 256, draft_vocab: int | None = None) -> LoadedDrafter:
+def load_dflash_budget(drafter_dir: str | os.PathLike, target: Transformer, budget: int = 256,
+                       draft_vocab: int | None = None) -> LoadedDrafter:
   """A DFlash checkpoint (multi-view fine-tuned, or any: naive sparse) drafting over a sparse context view."""
   from longspec_jax.drafters.dflash import load_dflash
   loaded = load_dflash(drafter_dir, target, draft_vocab=draft_vocab)

@@ -19,17 +19,23 @@ weights; it holds no tensors of its own. `parts=` (e.g. "longspark+dels") turns 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from longspec_jax.config import read_config_json
-from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
 from longspec_jax.drafters.dflash import block_drafts
 from longspec_jax.drafters.registry import DrafterEntry
+
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
+  from longspec_jax.model import Transformer
 
 ARCHITECTURE = "CombinedBlockDrafter"
 BLOCK_PARTS = ("longspark", "dflash")
@@ -39,7 +45,7 @@ DRAFTERS = (DrafterEntry(name="combined", loader="load_combined", checkpoint="co
                          options=("budget", "parts")),)
 
 
-def parse_parts(parts) -> tuple[str, ...]:
+def parse_parts(parts: str | Sequence[str]) -> tuple[str, ...]:
   """"longspark+dflash+dels" (or a sequence) -> the parts, checked: known, no repeats, at least one block part."""
   names = tuple(parts.split("+")) if isinstance(parts, str) else tuple(parts)
   unknown = [p for p in names if p not in PARTS]
@@ -54,13 +60,14 @@ def _taps_of(x, idx):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockEnsembleDrafter:
+class BlockEnsembleDrafter(DrafterSpec):
   """Parallel block drafters (DFlash / LongSpark interface: `block_logits`) whose log-probs are summed with
   `weights`. Each part reads its own taps, sliced from the union the engine delivers."""
   parts: tuple[Any, ...]
   weights: tuple[float, ...]
   name: str = "combined"
   catch_up_in_propose = False  # every part's update reads the verified rows
+  drafts_blocks = True
 
   def __post_init__(self):
     if len(self.parts) != len(self.weights) or not self.parts or min(self.weights) <= 0:
@@ -89,25 +96,27 @@ class BlockEnsembleDrafter:
     idx = [self.taps.index(t) for t in part.taps]
     return record.replace(taps=_taps_of(record.taps, idx))
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: dict, prefill: PrefillResult, max_len: int) -> tuple[Any, ...]:
     return tuple(p.init_state(pp, self._own(p, prefill), max_len) for p, pp in zip(self.parts, params["parts"]))
 
-  def block_logits(self, params, state, pending, num_draft: int):
+  def block_logits(self, params: dict, state: tuple[Any, ...], pending: jax.Array, num_draft: int) -> jax.Array:
     """sum_i w_i log_softmax(part_i's logits) [B, num_draft, V]; -inf wherever any part gives -inf."""
     total = 0.0
     for p, pp, s, w in zip(self.parts, params["parts"], state, self.weights):
       total = total + w * jax.nn.log_softmax(p.block_logits(pp, s, pending, num_draft).astype(jnp.float32), -1)
     return total
 
-  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+  def propose(self, params: dict, state: tuple[Any, ...], ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, tuple[Any, ...]]:
     return (*block_drafts(self.block_logits(params, state, ctx.pending, num_draft), ctx, key, sample), state)
 
-  def update(self, params, state, verify):
+  def update(self, params: dict, state: tuple[Any, ...], verify: VerifyResult) -> tuple[Any, ...]:
     return tuple(p.update(pp, s, self._own(p, verify))
                  for p, pp, s in zip(self.parts, params["parts"], state))
 
 
-def ensemble(parts: list[LoadedDrafter], weights, name: str = "combined") -> LoadedDrafter:
+def ensemble(parts: list[LoadedDrafter], weights: Sequence[float] | np.ndarray,
+             name: str = "combined") -> LoadedDrafter:
   """The parts as one block drafter. Its `io.draft_ids` is the intersection of the parts' draft vocabularies
   (absent if a part drafts over the whole vocabulary), so a DeLS head over it decodes over those columns alone."""
   from longspec_jax.drafters.longspark import LongSparkDrafter
@@ -125,7 +134,8 @@ def ensemble(parts: list[LoadedDrafter], weights, name: str = "combined") -> Loa
   return LoadedDrafter(spec, {"parts": tuple(p.params for p in parts), "io": io})
 
 
-def load_combined(drafter_dir, target, budget: int = 256, parts=None) -> LoadedDrafter:
+def load_combined(drafter_dir: str | os.PathLike, target: Transformer, budget: int = 256,
+                  parts: str | Sequence[str] | None = None) -> LoadedDrafter:
   """Our combined config.json: {"architectures": ["CombinedBlockDrafter"], "vocab_size", "longspark": CKPT,
   "dflash": CKPT, "dels": CKPT (a DeLS head), "weights": {"longspark": w, "dflash": w} (relative; default equal),
   "parts": [...]}; `parts` overrides the config's (a subset of those it names), `budget` is the DFlash part's

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,12 @@ from longspec_jax.drafters.dflash import load_dflash
 from longspec_jax.drafters.longspark import ARCHITECTURE as LONGSPARK, LongSparkDrafter, load_longspark
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.sampling import processed_log_probs
+
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import Drafter, PrefillResult, ProposeContext, VerifyResult
+  from longspec_jax.model import Transformer
+  from longspec_jax.sampling import SamplingParams
+  from longspec_jax.sharpdraft import SharpDraft
 
 ARCHITECTURE = "DeLSLocalHead"
 WEIGHTS_FILE = "model.safetensors"
@@ -88,13 +96,13 @@ class DeLSConfig:
       raise ValueError(f"DeLS alpha and beta need one entry per block position, got {len(self.alpha)} and "
                        f"{len(self.beta)}")
 
-  def with_schedule(self, alpha, beta) -> "DeLSConfig":
+  def with_schedule(self, alpha: float | Sequence[float], beta: float | Sequence[float]) -> "DeLSConfig":
     """alpha/beta as scalars (broadcast over this config's positions) or per-position sequences."""
     n = len(self.alpha)
     expand = lambda x: tuple(float(v) for v in (np.full(n, x) if np.ndim(x) == 0 else x))
     return dataclasses.replace(self, alpha=expand(alpha), beta=expand(beta))
 
-  def mix_weights(self, k: int):
+  def mix_weights(self, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(alpha [k], beta [k], feed [k]): feed[i] = whether position i's step first reads a token into the GRU."""
     if k > len(self.alpha):
       raise ValueError(f"num_draft_tokens {k} exceeds the {len(self.alpha)} positions DeLS has weights for")
@@ -106,7 +114,7 @@ class DeLSConfig:
     return jnp.asarray(alpha), jnp.asarray(beta), jnp.asarray(feed)
 
 
-def gru_cell(head, x, h):
+def gru_cell(head: dict, x: jax.Array, h: jax.Array) -> jax.Array:
   """torch.nn.GRU (bias=False) step: x [N, E], h [N, G] -> [N, G]; weight rows are the gates r, z, n."""
   gi = jnp.einsum("ne,ge->ng", x, head["w_ih"])
   gh = jnp.einsum("nh,gh->ng", h, head["w_hh"])
@@ -118,14 +126,14 @@ def gru_cell(head, x, h):
   return (1.0 - z) * n + z * h
 
 
-def local_logits(cfg: DeLSConfig, head, h):
+def local_logits(cfg: DeLSConfig, head: dict, h: jax.Array) -> jax.Array:
   s = jnp.einsum("ng,rg->nr", h, head["rank"])
   if cfg.rank_activation == "silu":
     s = jax.nn.silu(s)
   return jnp.einsum("nr,vr->nv", s, head["head"])
 
 
-def local_block_logits(cfg: DeLSConfig, head, prev):
+def local_block_logits(cfg: DeLSConfig, head: dict, prev: jax.Array) -> jax.Array:
   """Teacher-forced local logits [N, K, V]: prev [N, K] are the tokens read before each position (the pending
   token then drafts 1..K-1 for gru_start "pending"); a position whose feed flag is off reads nothing."""
   n, k = prev.shape
@@ -141,12 +149,14 @@ def local_block_logits(cfg: DeLSConfig, head, prev):
   return jnp.swapaxes(out, 0, 1)
 
 
-def combine(base, local, log_prior, alpha, beta):
+def combine(base: jax.Array, local: jax.Array, log_prior: jax.Array, alpha: jax.Array, beta: jax.Array) -> jax.Array:
   """z = base + alpha * local - beta * log p_unigram; alpha/beta broadcast over the trailing vocab axis."""
   return base + alpha[..., None] * local - beta[..., None] * log_prior
 
 
-def decode_block(cfg: DeLSConfig, head, base_logits, pending, sp=None, key=None, ids=None):
+def decode_block(cfg: DeLSConfig, head: dict, base_logits: jax.Array, pending: jax.Array,
+                 sp: SamplingParams | None = None, key: jax.Array | None = None,
+                 ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Left-to-right decode of one block. base_logits [B, K, V] (the base's), pending [B].
   Returns (drafts [B, K], z [B, K, V]) greedily (sp None), or (drafts, log q [B, K, V]) when sampling with sp.
   ids [N]: the columns are these target tokens alone (a draft vocabulary; head["head"] and the prior cut to them),
@@ -181,13 +191,14 @@ class DeLSDrafter(ReadsLikeInner):
   catch_up_in_propose = False  # the base's update
 
   @property
-  def inner(self):
+  def inner(self) -> Drafter:
     return self.base  # its block limit too: dels_from_head checks there are alpha/beta for that many positions
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: dict, prefill: PrefillResult, max_len: int) -> Any:
     return self.base.init_state(params["base"], prefill, max_len)
 
-  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+  def propose(self, params: dict, state: Any, ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, Any]:
     pending = ctx.pending
     base_logits = self.base.block_logits(params["base"], state, pending, num_draft)
     # A base with a draft vocabulary gives -inf to every other token, so the block is decoded over its columns
@@ -204,12 +215,12 @@ class DeLSDrafter(ReadsLikeInner):
       q = jnp.zeros(q.shape[:-1] + (self.vocab_size,), q.dtype).at[..., ids].set(q)
     return drafts, q, state
 
-  def update(self, params, state, verify):
+  def update(self, params: dict, state: Any, verify: VerifyResult) -> Any:
     return self.base.update(params["base"], state, verify)
 
 
 def dels_from_head(base: LoadedDrafter, cfg: DeLSConfig, head: dict, name: str = "dels") -> LoadedDrafter:
-  if not hasattr(base.spec, "block_logits"):  # DFlash, LongSpark or their ensemble (combined.py)
+  if not base.spec.drafts_blocks:  # DFlash, LongSpark or their ensemble (combined.py)
     raise ValueError(f"DeLS corrects a parallel block drafter (DFlash, LongSpark or their ensemble), not "
                      f"{base.spec.name!r}")
   if isinstance(base.spec, LongSparkDrafter) and base.spec.cfg.markov_rank:
@@ -244,7 +255,7 @@ def check_head(cfg: DeLSConfig, head: dict) -> None:
     raise ValueError(f"DeLS local head tensor shapes (got, expected): {bad}")
 
 
-def fuse_factors(io: dict, proj, up) -> dict:
+def fuse_factors(io: dict, proj: jax.typing.ArrayLike, up: jax.typing.ArrayLike) -> dict:
   """The direct-vocab tables {emb [V, E], head [V, r]} from the projections of the target's own tables: proj
   [E, H] (embedding -> GRU input) and up [H, r] (rank -> the target's LM head). io: frozen_target.target_io."""
   embed = jnp.asarray(io["embed"], jnp.float32)  # [V, H]
@@ -252,7 +263,7 @@ def fuse_factors(io: dict, proj, up) -> dict:
   return {"emb": embed @ jnp.asarray(proj, jnp.float32).T, "head": lm_head @ jnp.asarray(up, jnp.float32)}
 
 
-def unigram_log_prior(counts, vocab_size: int) -> np.ndarray:
+def unigram_log_prior(counts: np.ndarray | Sequence[float], vocab_size: int) -> np.ndarray:
   """log((count + 1) / sum): add-one smoothing over the vocabulary, as the public code does."""
   c = np.zeros(vocab_size, np.float64)
   counts = np.asarray(counts, np.float64).reshape(-1)
@@ -265,7 +276,8 @@ def unigram_log_prior(counts, vocab_size: int) -> np.ndarray:
 
 # ---- our checkpoint directory -----------------------------------------------------------------------------------
 
-def save_dels_dir(cfg: DeLSConfig, head: dict, out_dir, base_drafter: str, extra_config: dict | None = None) -> Path:
+def save_dels_dir(cfg: DeLSConfig, head: dict, out_dir: str | os.PathLike, base_drafter: str,
+                  extra_config: dict | None = None) -> Path:
   """config.json + model.safetensors (bf16 tables, fp32 prior). base_drafter: a shipped drafter name or a path
   (relative to out_dir) of the frozen base this head was tuned on. `head` holds either the direct-vocab tables
   (emb, head) or the target-table projections (proj, up: see fuse_factors), saved as given."""
@@ -310,18 +322,19 @@ def resolve_base_dir(drafter_dir: Path, name: str) -> Path:
   return path if path.is_absolute() else drafter_dir / path
 
 
-def base_is_longspark(base_dir) -> bool:
+def base_is_longspark(base_dir: str | os.PathLike) -> bool:
   """Whether the block drafter in base_dir is a LongSpark (else a DFlash), by its config's architecture."""
   archs = read_config_json(Path(base_dir) / "config.json", "DeLS base drafter").get("architectures") or []
   return LONGSPARK in archs
 
 
-def cut_to_draft_vocab(head: dict, ids) -> dict:
+def cut_to_draft_vocab(head: dict, ids: jax.Array) -> dict:
   """The head's output table and prior cut to a base's draft vocabulary `ids` (see DeLSDrafter.propose)."""
   return {**head, "head": head["head"][ids], "log_prior": head["log_prior"][ids]}
 
 
-def load_base(base_dir, target, sharpdraft=None, budget: int | None = None) -> LoadedDrafter:
+def load_base(base_dir: str | os.PathLike, target: Transformer, sharpdraft: SharpDraft | None = None,
+              budget: int | None = None) -> LoadedDrafter:
   """The block drafter a DeLS head corrects: DFlash or LongSpark (base_is_longspark), each drafting over the draft
   vocabulary it was trained with; with `budget`, the DFlash over BudgetDraft's sparse context view."""
   if base_is_longspark(base_dir):
@@ -338,7 +351,7 @@ def load_base(base_dir, target, sharpdraft=None, budget: int | None = None) -> L
   return load_dflash(base_dir, target, sharpdraft=sharpdraft)
 
 
-def read_dels_head(drafter_dir, target) -> tuple[DeLSConfig, dict, dict]:
+def read_dels_head(drafter_dir: str | os.PathLike, target: Transformer) -> tuple[DeLSConfig, dict, dict]:
   """(config, head tables, config.json) of our DeLS directory; projected tables are fused with `target`'s."""
   from longspec_jax.hf_io import _read_tensors
   drafter_dir = Path(drafter_dir)
@@ -365,7 +378,8 @@ def read_dels_head(drafter_dir, target) -> tuple[DeLSConfig, dict, dict]:
   return cfg, head, conf
 
 
-def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None, budget: int | None = None) -> LoadedDrafter:
+def load_dels(drafter_dir: str | os.PathLike, target: Transformer, base_dir: str | os.PathLike | None = None,
+              sharpdraft: SharpDraft | None = None, budget: int | None = None) -> LoadedDrafter:
   """Our DeLS directory: the local head, its alpha/beta, and the base block drafter it names (or `base_dir`);
   `budget` puts the DFlash base on BudgetDraft's sparse view (load_base)."""
   cfg, head, conf = read_dels_head(drafter_dir, target)
@@ -377,7 +391,9 @@ def load_dels(drafter_dir, target, base_dir=None, sharpdraft=None, budget: int |
 
 # ---- public local-head checkpoints (SpecForge local_head.pt / merged_rnn_local_head.pt) -------------------------
 
-def load_public_local_head(path, target, block_size: int, alpha=0.3, beta=0.3, unigram_counts=None):
+def load_public_local_head(path: str | os.PathLike, target: Transformer, block_size: int,
+                           alpha: float | Sequence[float] = 0.3, beta: float | Sequence[float] = 0.3,
+                           unigram_counts: np.ndarray | Sequence[float] | None = None) -> tuple[DeLSConfig, dict]:
   """(DeLSConfig, head) from a public torch checkpoint {model_config, model_state_dict}:
   - the projected-input ("direct_vocab", merged_rnn_local_head.pt) variant carries `embed_tokens.weight` [V, E];
   - the full-embedding variant (E = the target's hidden size) reads the target's own embedding;
@@ -437,6 +453,8 @@ def load_public_local_head(path, target, block_size: int, alpha=0.3, beta=0.3, u
   return cfg, {k: jnp.asarray(x, jnp.float32) for k, x in head.items()}
 
 
-def load_public_dels(path, base: LoadedDrafter, target, alpha=0.3, beta=0.3, unigram_counts=None) -> LoadedDrafter:
+def load_public_dels(path: str | os.PathLike, base: LoadedDrafter, target: Transformer,
+                     alpha: float | Sequence[float] = 0.3, beta: float | Sequence[float] = 0.3,
+                     unigram_counts: np.ndarray | Sequence[float] | None = None) -> LoadedDrafter:
   cfg, head = load_public_local_head(path, target, base.spec.cfg.block_size, alpha, beta, unigram_counts)
   return dels_from_head(base, cfg, head)

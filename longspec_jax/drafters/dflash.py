@@ -17,7 +17,10 @@ Checkpoints use the layout of the public z-lab DFlash drafters: a Qwen3 `config.
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -26,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax.config import ModelConfig, read_config_json
-from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
 from longspec_jax.drafters.frozen_target import (check_block_drafter, check_reads_target, default_target_layer_ids,
                                                  embed_tokens, head_logits, target_io, taps_of, with_draft_vocab)
 from longspec_jax.drafters.registry import DrafterEntry
@@ -34,6 +37,11 @@ from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import apply_rope, rope_frequencies
 from longspec_jax.sampling import processed_log_probs
 from longspec_jax.pallas_kernels.length_masked_attention import length_masked_attention, merge_attention_views
+
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
+  from longspec_jax.model import Transformer
+  from longspec_jax.sharpdraft import SharpDraft
 
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
@@ -100,7 +108,7 @@ class DFlashConfig:
 
 
 def dflash_config_for(target: ModelConfig, *, num_layers: int = 2, num_target_taps: int = 5,
-                      block_size: int = 16, mask_token_id: int | None = None, **arch_overrides) -> DFlashConfig:
+                      block_size: int = 16, mask_token_id: int | None = None, **arch_overrides: Any) -> DFlashConfig:
   """A DFlash config sized for `target`: its hidden size, vocabulary, RoPE and special ids. mask_token_id: the
   block's mask token (default the target's; a target without one, e.g. SmolLM2, needs an id it never emits)."""
   mask_token_id = target.mask_token_id if mask_token_id is None else mask_token_id
@@ -124,15 +132,15 @@ class DFlashModel(nnx.Module):
     self.cfg = cfg
     self.dtype = dtype
 
-  def rope(self, positions):
+  def rope(self, positions: jax.Array) -> tuple[jax.Array, float]:
     return rope_frequencies(self.cfg.arch, jnp.max(positions))
 
-  def context(self, taps):
+  def context(self, taps: jax.Array) -> jax.Array:
     """Target taps [B, T, n, H] -> context features [B, T, H]."""
     b, t = taps.shape[:2]
     return self.hidden_norm(self.fc(taps.reshape(b, t, -1).astype(self.dtype)))
 
-  def context_kv(self, feats, positions):
+  def context_kv(self, feats: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Context features [B, T, H] at positions [B, T] -> per-layer (k, v), each [L_d, B, T, Hkv, D]."""
     a = self.cfg.arch
     b, t = feats.shape[:2]
@@ -145,7 +153,8 @@ class DFlashModel(nnx.Module):
       vs.append(attn.v_proj(feats).reshape(b, t, a.num_key_value_heads, a.head_dim))
     return jnp.stack(ks), jnp.stack(vs)
 
-  def block_hidden(self, x, positions, attend):
+  def block_hidden(self, x: jax.Array, positions: jax.Array,
+                   attend: Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]) -> jax.Array:
     """Runs the block x [B, T, H] (embedded) through the layers; attend(layer, q, k, v) -> [B, T, Hq, D] is
     the attention of the block's queries over the context view plus the block's own keys/values."""
     rope = self.rope(positions)
@@ -166,13 +175,14 @@ class DFlashState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashDrafter:
+class DFlashDrafter(DrafterSpec):
   graphdef: nnx.GraphDef
   cfg: DFlashConfig
   sharpdraft: object = None  # SharpDraft query scaling (longspec_jax.sharpdraft) or None
   name: str = "dflash"
   needs_target_kv: bool = False
   catch_up_in_propose = False  # update writes the verified rows' context K/V
+  drafts_blocks = True
 
   @property
   def taps(self) -> tuple[int, ...]:
@@ -189,7 +199,7 @@ class DFlashDrafter:
   def _model(self, params) -> DFlashModel:
     return nnx.merge(self.graphdef, params["drafter"])
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: dict, prefill: PrefillResult, max_len: int) -> DFlashState:
     model = self._model(params)
     b, t = prefill.taps.shape[:2]
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -198,7 +208,8 @@ class DFlashDrafter:
     buffers = lambda x: tuple(jnp.zeros(shape, model.dtype).at[:, :t].set(xl.astype(model.dtype)) for xl in x)
     return DFlashState(k=buffers(k), v=buffers(v), length=prefill.prompt_lens.astype(jnp.int32))
 
-  def block_logits(self, params, state: DFlashState, pending, num_draft: int, record=None):
+  def block_logits(self, params: dict, state: DFlashState, pending: jax.Array, num_draft: int,
+                   record: list | None = None) -> jax.Array:
     """Logits [B, num_draft, V] for the block anchored at the pending token (position state.length).
     `record`, a list, receives per-layer pre-softmax logits [B, Hq, B_s, n_ctx + B_s] (unscaled queries)."""
     bs = self.cfg.block_size
@@ -221,21 +232,22 @@ class DFlashDrafter:
     h = model.block_hidden(embed_tokens(params["io"], toks, model.dtype), pos, attend)
     return head_logits(params["io"], h[:, 1:1 + num_draft])
 
-  def context_views(self, li, q, state: DFlashState) -> list:
+  def context_views(self, li: int, q: jax.Array, state: DFlashState) -> list:
     """[(out, lse)] of the block queries q over drafter layer li's context rows: every committed row."""
     return [length_masked_attention(q, state.k[li].astype(q.dtype), state.v[li].astype(q.dtype), state.length)]
 
-  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+  def propose(self, params: dict, state: DFlashState, ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, DFlashState]:
     return (*block_drafts(self.block_logits(params, state, ctx.pending, num_draft), ctx, key, sample), state)
 
-  def verified_context_kv(self, params, verify):
+  def verified_context_kv(self, params: dict, verify: VerifyResult) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(positions [B, K+1], per-layer context k, v [L_d, B, K+1, Hkv, D]) of every verified row."""
     model = self._model(params)
     k1 = verify.taps.shape[1]
     pos = verify.start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
     return (pos, *model.context_kv(model.context(verify.taps), pos))
 
-  def update(self, params, state, verify):
+  def update(self, params: dict, state: DFlashState, verify: VerifyResult) -> DFlashState:
     pos, k, v = self.verified_context_kv(params, verify)
     rows = jnp.arange(pos.shape[0])[:, None]
     # All K+1 verified rows are written; only the committed ones count (length), the rest get overwritten.
@@ -243,7 +255,7 @@ class DFlashDrafter:
                                     for buf, x in zip(bufs, new))
     return DFlashState(k=write(state.k, k), v=write(state.v, v), length=(verify.num_tokens - 1).astype(jnp.int32))
 
-  def attention_logits(self, params, target, tokens):
+  def attention_logits(self, params: dict, target: Transformer, tokens: jax.Array) -> list[jax.Array]:
     """Per drafter layer, pre-softmax logits [B, Hq, B_s, N] of the block anchored at the last token of `tokens`
     [B, T], whose queries see N = (T-1) context rows + the B_s block keys (SharpDraft calibration)."""
     from longspec_jax.drafters.base import PrefillResult
@@ -258,7 +270,8 @@ class DFlashDrafter:
     return record
 
 
-def block_drafts(logits, ctx, key, sample: bool):
+def block_drafts(logits: jax.Array, ctx: ProposeContext, key: jax.Array,
+                 sample: bool) -> tuple[jax.Array, jax.Array | None]:
   """(drafts [B, K], q [B, K, V] or None) from a parallel block's logits: argmax, or, sampling, an independent
   draw per slot from its own processed distribution (returned as q for exact rejection sampling)."""
   if not sample:
@@ -275,30 +288,31 @@ def _logits_over(q, k):
       q.shape[-1] ** -0.5)
 
 
-def dflash_from_model(model: DFlashModel, target, sharpdraft=None) -> LoadedDrafter:
+def dflash_from_model(model: DFlashModel, target: Transformer, sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
   model.cfg.check_target(target.cfg)
   graphdef, state = nnx.split(model)
   return LoadedDrafter(DFlashDrafter(graphdef=graphdef, cfg=model.cfg, sharpdraft=sharpdraft),
                        {"drafter": state, "io": target_io(target)})
 
 
-def create_dflash(cfg: DFlashConfig, seed: int = 0, dtype=jnp.float32) -> DFlashModel:
+def create_dflash(cfg: DFlashConfig, seed: int = 0, dtype: jax.typing.DTypeLike = jnp.float32) -> DFlashModel:
   return DFlashModel(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
 
 
-def save_dflash_dir(model: DFlashModel, out_dir, dtype=np.float32) -> Path:
+def save_dflash_dir(model: DFlashModel, out_dir: str | os.PathLike, dtype: jax.typing.DTypeLike = np.float32) -> Path:
   """config.json + model.safetensors in the public DFlash layout (bare tensor names, torch [out, in])."""
   from longspec_jax.hf_io import save_drafter_dir, to_hf_tensors
   return save_drafter_dir(out_dir, model.cfg.to_hf_dict(), to_hf_tensors(model, np.float32, prefix=""), dtype)
 
 
-def load_dflash_model(drafter_dir, dtype=jnp.float32) -> DFlashModel:
+def load_dflash_model(drafter_dir: str | os.PathLike, dtype: jax.typing.DTypeLike = jnp.float32) -> DFlashModel:
   from longspec_jax.hf_io import load_drafter_weights
   cfg = DFlashConfig.from_hf_dict(read_config_json(Path(drafter_dir) / "config.json", "DFlash"))
   return load_drafter_weights(drafter_dir, lambda: DFlashModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
 
 
-def load_dflash(drafter_dir, target, sharpdraft=None, draft_vocab: int | None = None) -> LoadedDrafter:
+def load_dflash(drafter_dir: str | os.PathLike, target: Transformer, sharpdraft: SharpDraft | None = None,
+                draft_vocab: int | None = None) -> LoadedDrafter:
   """A DFlash drafter directory (our export or a public z-lab checkpoint) for `target`; `draft_vocab` cuts its
   LM head to the checkpoint's most frequent tokens (frozen_target.with_draft_vocab)."""
   return with_draft_vocab(dflash_from_model(load_dflash_model(drafter_dir), target, sharpdraft), drafter_dir,

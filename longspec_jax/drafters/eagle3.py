@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -35,12 +38,18 @@ from flax import nnx
 
 from longspec_jax.attention import causal_attention, extend_attention
 from longspec_jax.config import ModelConfig, read_config_json
-from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.kv_cache import KVCache
 from longspec_jax.model import MLP, Attention, Linear, RMSNorm
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.sampling import processed_log_probs
+
+if TYPE_CHECKING:
+  from longspec_jax.draft_tree import DraftTree
+  from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
+  from longspec_jax.model import Transformer
+  from longspec_jax.sharpdraft import SharpDraft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # config.json keys of the EAGLE-3 layout on top of a Llama config (n0: the context length it was trained at).
@@ -64,11 +73,11 @@ class Eagle3Layer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def inputs(self, embeds, feature):
+  def inputs(self, embeds: jax.Array, feature: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Attention input [.., 2H] and the residual stream (the un-normed feature)."""
     return jnp.concatenate([self.input_layernorm(embeds), self.hidden_norm(feature)], axis=-1), feature
 
-  def out(self, residual, o):
+  def out(self, residual: jax.Array, o: jax.Array) -> jax.Array:
     b, t = o.shape[:2]
     h = residual + self.self_attn.o_proj(o.reshape(b, t, -1))
     return h + self.mlp(self.post_attention_layernorm(h))
@@ -85,12 +94,12 @@ class Eagle3Net(nnx.Module):
     self.lm_head = Linear(cfg.hidden_size, draft_vocab, ("embed", "vocab"), rngs=rngs)
     self.cfg = cfg
 
-  def feature(self, taps):
+  def feature(self, taps: jax.Array) -> jax.Array:
     """taps [B, T, n_aux, H_t] -> fc features [B, T, H]."""
     b, t = taps.shape[:2]
     return self.fc(taps.reshape(b, t, -1))
 
-  def logits(self, h):
+  def logits(self, h: jax.Array) -> jax.Array:
     """Output hidden (pre-norm) -> fp32 logits over the draft vocabulary."""
     return self.lm_head(self.norm(h)).astype(jnp.float32)
 
@@ -104,8 +113,8 @@ def _layer_qkv(net: Eagle3Net, embeds, feature, positions, sharpdraft):
   return residual, q, k, v
 
 
-def run_cached(net: Eagle3Net, embeds, feature, positions, cache: KVCache, mode: str, sharpdraft=None,
-               attn_block: int = 512):
+def run_cached(net: Eagle3Net, embeds: jax.Array, feature: jax.Array, positions: jax.Array, cache: KVCache, mode: str,
+               sharpdraft: SharpDraft | None = None, attn_block: int = 512) -> tuple[jax.Array, KVCache]:
   """Runs rows [B, T] at `positions` and writes their K/V into the drafter cache. mode "prefill": the rows are
   positions 0..T-1 (blockwise causal attention); "extend": each sequence's rows at its own positions, attending
   to every cached row at a position <= the query's. Returns (output hidden [B, T, H], cache)."""
@@ -119,7 +128,9 @@ def run_cached(net: Eagle3Net, embeds, feature, positions, cache: KVCache, mode:
   return net.midlayer.out(residual, o), cache
 
 
-def run_chain_row(net: Eagle3Net, embeds, feature, positions, cache: KVCache, chain_kv, sharpdraft=None):
+def run_chain_row(net: Eagle3Net, embeds: jax.Array, feature: jax.Array, positions: jax.Array, cache: KVCache,
+                  chain_kv: tuple[jax.Array, jax.Array] | None,
+                  sharpdraft: SharpDraft | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """One speculative row [B, 1] at `positions`, attending to the cached rows before the chain, the chain's earlier
   rows (`chain_kv`: (k, v) [B, i, Hkv, D], or None for the first) and itself. The cache is only read: chain rows
   written into it made XLA copy the whole cache on every chain step. Returns (output hidden [B, 1, H], chain_kv
@@ -137,7 +148,7 @@ class Eagle3State:
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
+class Eagle3Drafter(DrafterSpec):
   graphdef: nnx.GraphDef
   cfg: ModelConfig  # the drafter layer's config (hidden size = the target's)
   taps: tuple[int, ...]  # the target's aux layer ids (residual stream at the input of those layers)
@@ -150,6 +161,7 @@ class Eagle3Drafter:
   needs_target_kv: bool = False
   max_draft_tokens = None  # any K: a chain of single-token steps
   catch_up_in_propose = False  # update runs the verified rows
+  drafts_trees = True
 
   # params = {"net": nnx.State of Eagle3Net, "embed": the target's [V, H] embedding, "d2t": [draft_vocab] int32}
   def _net(self, params) -> Eagle3Net:
@@ -158,7 +170,7 @@ class Eagle3Drafter:
   def _embed(self, params, tokens):
     return params["embed"][tokens].astype(self.dtype)
 
-  def draft_ids(self, params):
+  def draft_ids(self, params: dict) -> jax.Array:
     """The target id of each draft-vocabulary entry ([N]; N = V: the identity)."""
     return jnp.arange(self.draft_vocab_size) + params["d2t"]
 
@@ -177,7 +189,7 @@ class Eagle3Drafter:
       q = jnp.zeros(q.shape[:-1] + (self.vocab_size,), q.dtype).at[..., ids].set(q)
     return ids[d].astype(jnp.int32), q
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: dict, prefill: PrefillResult, max_len: int) -> Eagle3State:
     net = self._net(params)
     b, t = prefill.prompt_tokens.shape
     cfg = self.cfg
@@ -190,7 +202,8 @@ class Eagle3Drafter:
     last = jnp.take_along_axis(h, (prefill.prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     return Eagle3State(cache=cache.replace(lengths=prefill.prompt_lens), hidden=last)
 
-  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+  def propose(self, params: dict, state: Eagle3State, ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, Eagle3State]:
     net = self._net(params)
     keys = jax.random.split(key, num_draft)
     h, chain_kv = state.hidden, None
@@ -206,7 +219,8 @@ class Eagle3Drafter:
         h = out[:, 0]
     return jnp.stack(drafts, 1), (jnp.stack(probs, 1) if sample else None), state
 
-  def propose_tree(self, params, state, ctx, tree):
+  def propose_tree(self, params: dict, state: Eagle3State, ctx: ProposeContext,
+                   tree: DraftTree) -> tuple[jax.Array, Eagle3State]:
     """Greedy drafts for every node of a `DraftTree` ([B, N], node order), depth by depth: a parent's top-k
     candidates become its children, and each node with children runs the layer on (its token, its parent's output
     hidden) at position row + depth, attending to the cache and its own ancestors. Returns (node tokens, state)."""
@@ -243,7 +257,7 @@ class Eagle3Drafter:
         hidden[n] = out[:, j]
     return jnp.stack(tokens, axis=1), state
 
-  def update(self, params, state, verify):
+  def update(self, params: dict, state: Eagle3State, verify: VerifyResult) -> Eagle3State:
     net = self._net(params)
     k1 = verify.committed.shape[1]
     pos = verify.start[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
@@ -254,7 +268,7 @@ class Eagle3Drafter:
     hidden = jnp.where((verify.num_committed > 0)[:, None], last.astype(state.hidden.dtype), state.hidden)
     return Eagle3State(cache=cache.replace(lengths=verify.num_tokens - 1), hidden=hidden)
 
-  def attention_logits(self, params, target, tokens) -> list[jax.Array]:
+  def attention_logits(self, params: dict, target: Transformer, tokens: jax.Array) -> list[jax.Array]:
     """Pre-softmax attention logits (1/sqrt(d) included, SharpDraft scaling not) of the drafter query that sees
     exactly N keys, after running the target and the drafter over `tokens` [B, N+1]: drafter rows 0..N-1
     (row p = feature at p, token p+1); the query of row N-1 sees rows 0..N-1. One [B, Hq, 1, N] per layer."""
@@ -273,7 +287,7 @@ class Eagle3Drafter:
 
 # ---- construction, public-layout export and loading -------------------------------------------------------------
 
-def drafter_config(target: ModelConfig, **arch) -> ModelConfig:
+def drafter_config(target: ModelConfig, **arch: Any) -> ModelConfig:
   """The drafter layer's config: the target's hidden size, vocabulary, RoPE and eps; heads / MLP from `arch`."""
   kw = dict(num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
             head_dim=target.head_dim, intermediate_size=target.intermediate_size)
@@ -286,13 +300,14 @@ def drafter_config(target: ModelConfig, **arch) -> ModelConfig:
                      rms_norm_eps=target.rms_norm_eps, tie_word_embeddings=False, **kw)
 
 
-def create_eagle3_net(cfg: ModelConfig, target: ModelConfig, aux_layers, draft_vocab: int | None = None,
+def create_eagle3_net(cfg: ModelConfig, target: ModelConfig, aux_layers: Sequence[int], draft_vocab: int | None = None,
                       qk_norm: bool = True, seed: int = 0) -> Eagle3Net:
   return Eagle3Net(cfg, len(aux_layers), target.hidden_size, draft_vocab or cfg.vocab_size, qk_norm,
                    rngs=nnx.Rngs(seed))
 
 
-def eagle3_from_net(net: Eagle3Net, target, aux_layers, d2t=None, sharpdraft=None,
+def eagle3_from_net(net: Eagle3Net, target: Transformer, aux_layers: Sequence[int],
+                    d2t: jax.typing.ArrayLike | None = None, sharpdraft: SharpDraft | None = None,
                     dtype: str = "float32") -> LoadedDrafter:
   """A LoadedDrafter from a built net and the target model (whose frozen embedding the drafter reads)."""
   graphdef, state = nnx.split(net)
@@ -304,8 +319,9 @@ def eagle3_from_net(net: Eagle3Net, target, aux_layers, d2t=None, sharpdraft=Non
   return LoadedDrafter(spec, {"net": state, "embed": target.embed_tokens.embedding[...], "d2t": d2t})
 
 
-def save_eagle3(net: Eagle3Net, out_dir, aux_layers, target: ModelConfig, *, n0: int | None = None,
-                d2t=None, dtype=jnp.bfloat16) -> Path:
+def save_eagle3(net: Eagle3Net, out_dir: str | os.PathLike, aux_layers: Sequence[int], target: ModelConfig, *,
+                n0: int | None = None, d2t: jax.typing.ArrayLike | None = None,
+                dtype: jax.typing.DTypeLike = jnp.bfloat16) -> Path:
   """config.json + model.safetensors in the public EAGLE-3 layout."""
   from safetensors.numpy import save_file
 
@@ -339,7 +355,8 @@ def _aux_ids(extra: dict, num_layers: int) -> tuple[int, ...]:
   return tuple(int(i) for i in ids) if ids else default_aux_layers(num_layers)
 
 
-def load_eagle3(drafter_dir, target, sharpdraft=None) -> LoadedDrafter:
+def load_eagle3(drafter_dir: str | os.PathLike, target: Transformer,
+                sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
   """Loads an EAGLE-3 directory (public layout) for `target` (a Transformer), validating it against the target."""
   from longspec_jax.hf_io import _read_tensors, empty_model, load_params_into
 

@@ -4,6 +4,9 @@ carried in a drafter's parameters (`io`), with the functions that apply them."""
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +14,11 @@ import numpy as np
 
 from longspec_jax.model import matmul
 from longspec_jax.sampling import NEG_INF
+
+if TYPE_CHECKING:
+  from longspec_jax.config import ModelConfig
+  from longspec_jax.drafters.base import LoadedDrafter
+  from longspec_jax.model import Transformer
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -21,7 +29,8 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
   return tuple(int(round(x)) for x in np.linspace(start, end, n))
 
 
-def check_block_drafter(what: str, arch, target_layer_ids, num_target_layers: int, mask_token_id: int) -> None:
+def check_block_drafter(what: str, arch: ModelConfig, target_layer_ids: Sequence[int], num_target_layers: int,
+                        mask_token_id: int) -> None:
   """What a block drafter's config (DFlash, LongSpark: Qwen3-style layers over a mask-filled block, reading
   target layers) must satisfy."""
   if not target_layer_ids:
@@ -35,13 +44,14 @@ def check_block_drafter(what: str, arch, target_layer_ids, num_target_layers: in
     raise ValueError(f"{what} layers are Qwen3-style; got family {arch.family!r}")
 
 
-def taps_of(target_layer_ids) -> tuple[int, ...]:
+def taps_of(target_layer_ids: Sequence[int]) -> tuple[int, ...]:
   """Our tap i is the residual stream entering layer i, i.e. the output of layer i-1 (the public layouts name the
   layer whose output they read)."""
   return tuple(i + 1 for i in target_layer_ids)
 
 
-def check_reads_target(what: str, arch, num_target_layers: int, target, fields: tuple[str, ...]) -> None:
+def check_reads_target(what: str, arch: ModelConfig, num_target_layers: int, target: ModelConfig,
+                       fields: tuple[str, ...]) -> None:
   """A drafter (`arch`, made for a `num_target_layers`-layer target) reads `target`'s hidden states and uses its
   embedding / LM head: the layer count and `fields` of the two configs must agree."""
   problems = []
@@ -54,7 +64,7 @@ def check_reads_target(what: str, arch, num_target_layers: int, target, fields: 
     raise ValueError(f"{what} drafter does not match the target: " + "; ".join(problems))
 
 
-def target_io(target, final_norm: bool = False) -> dict:
+def target_io(target: Transformer, final_norm: bool = False) -> dict:
   """The target's frozen embedding (a drafter embeds its block with it), LM head when untied (logits are read
   through it) and, with `final_norm`, its final RMSNorm (for a drafter that has none of its own)."""
   io = {"embed": target.embed_tokens.embedding[...]}
@@ -65,14 +75,14 @@ def target_io(target, final_norm: bool = False) -> dict:
   return io
 
 
-def embed_tokens(io, tokens, dtype):
+def embed_tokens(io: dict, tokens: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
   return io["embed"][tokens].astype(dtype)
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # beside a checkpoint: {"ids": target token ids, most frequent first, ...}
 
 
-def read_draft_vocab(drafter_dir, size: int) -> np.ndarray:
+def read_draft_vocab(drafter_dir: str | os.PathLike, size: int) -> np.ndarray:
   """The first `size` ids of the checkpoint's draft_vocab.json (written by scripts/make_draft_vocab.py)."""
   import json
   from pathlib import Path
@@ -86,7 +96,7 @@ def read_draft_vocab(drafter_dir, size: int) -> np.ndarray:
   return np.asarray(ids[:size], np.int64)
 
 
-def with_draft_vocab(loaded, drafter_dir, size: int | None):
+def with_draft_vocab(loaded: LoadedDrafter, drafter_dir: str | os.PathLike, size: int | None) -> LoadedDrafter:
   """A LoadedDrafter whose params["io"] head is cut to the checkpoint's `size` most frequent tokens (None: the
   draft vocabulary it was trained with, drafter.json's draft_vocab_size, else as is)."""
   if size is None:
@@ -97,7 +107,7 @@ def with_draft_vocab(loaded, drafter_dir, size: int | None):
   return dataclasses.replace(loaded, params={**loaded.params, "io": io})
 
 
-def trained_draft_vocab(drafter_dir) -> int | None:
+def trained_draft_vocab(drafter_dir: str | os.PathLike) -> int | None:
   """The draft vocabulary size a block drafter was trained with (its drafter.json's draft_vocab_size; None when
   trained over the whole vocabulary): out of it the target's head was never trained against, so it drafts with it."""
   import json
@@ -107,7 +117,7 @@ def trained_draft_vocab(drafter_dir) -> int | None:
   return int(size) if size else None
 
 
-def restrict_head(io: dict, draft_ids) -> dict:
+def restrict_head(io: dict, draft_ids: np.ndarray | Sequence[int]) -> dict:
   """`io` whose LM head covers only `draft_ids` (target token ids, distinct): the drafter's logits are computed
   for those tokens alone and every other token gets -inf, so it never proposes one (greedy) or gives it q = 0
   (sampling); verification stays exact. The head's cost scales with len(draft_ids) instead of the vocabulary."""
@@ -120,7 +130,7 @@ def restrict_head(io: dict, draft_ids) -> dict:
   return {**io, "draft_ids": jnp.asarray(ids, jnp.int32), "draft_head": rows[ids]}
 
 
-def head_logits(io, h):
+def head_logits(io: dict, h: jax.Array) -> jax.Array:
   """Logits over the target vocabulary [..., V] from drafter hidden states h [..., H]."""
   if "draft_ids" in io:
     small = matmul(h, io["draft_head"], "...h,nh->...n", jnp.float32)
@@ -131,7 +141,7 @@ def head_logits(io, h):
   return matmul(h, io["embed"], "...h,vh->...v", jnp.float32)
 
 
-def apply_final_norm(io, h):
+def apply_final_norm(io: dict, h: jax.Array) -> jax.Array:
   """The target's final RMSNorm from `target_io(target, final_norm=True)`."""
   x32 = h.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + io["norm_eps"])

@@ -17,7 +17,8 @@ tokens, and each row's q is the proposing part's (one-hot for the lookup).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,10 @@ import jax.numpy as jnp
 from longspec_jax.drafters.base import LoadedDrafter, ReadsLikeInner, one_hot_probs
 from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
 from longspec_jax.drafters.registry import DrafterEntry
+
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import Drafter, PrefillResult, ProposeContext, VerifyResult
+  from longspec_jax.model import Transformer
 
 # checkpoint: the default learned drafter's (EAGLE-3); `learned=NAME` swaps in any drafter with a checkpoint.
 DRAFTERS = (DrafterEntry(name="hybrid", loader="load_hybrid", checkpoint="eagle3", options=("learned",),
@@ -44,7 +49,7 @@ class HybridDrafter(ReadsLikeInner):
                        f"{self.min_match}")
 
   @property
-  def inner(self):
+  def inner(self) -> Drafter:
     return self.learned
 
   @property
@@ -56,7 +61,7 @@ class HybridDrafter(ReadsLikeInner):
     """draft_length rates: class 0 = the learned drafter proposes, n >= min_match = the lookup matched n tokens."""
     return self.lookup.max_ngram + 1
 
-  def draft_class(self, ctx):
+  def draft_class(self, ctx: ProposeContext) -> jax.Array:
     matched = self.lookup.lookup(ctx, 1)[1]
     return jnp.where(matched >= self.min_match, matched, 0)
 
@@ -65,10 +70,11 @@ class HybridDrafter(ReadsLikeInner):
     """Class 0 pays the learned pass; the lookup classes skip it unless the learned drafter must always propose."""
     return (1.0,) if self.learned.catch_up_in_propose else (1.0, 0.0)
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: Any, prefill: PrefillResult, max_len: int) -> Any:
     return self.learned.init_state(params, prefill, max_len)
 
-  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+  def propose(self, params: Any, state: Any, ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, Any]:
     found, matched = self.lookup.lookup(ctx, num_draft)
     use_lookup = matched >= self.min_match  # [B]
     found_q = one_hot_probs(found, self.vocab_size) if sample else None
@@ -88,11 +94,11 @@ class HybridDrafter(ReadsLikeInner):
       q = jnp.where(use_lookup[:, None, None], found_q, q)
     return drafts, q, state
 
-  def update(self, params, state, verify):
+  def update(self, params: Any, state: Any, verify: VerifyResult) -> Any:
     return self.learned.update(params, state, verify)
 
 
-def load_hybrid(drafter_dir, target, learned: str = "eagle3") -> LoadedDrafter:
+def load_hybrid(drafter_dir: str | os.PathLike | None, target: Transformer, learned: str = "eagle3") -> LoadedDrafter:
   """Prompt lookup + the `learned` method's drafter at `drafter_dir` (the one shipped for the target by default):
   EAGLE-3, or any block or chain drafter with a checkpoint (dflash, longspark, pard, dels, budget...)."""
   from longspec_jax.drafters import load_drafter

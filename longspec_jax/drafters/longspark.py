@@ -24,7 +24,10 @@ parallel_qwen_layers.{i}.* with Qwen3 names, global16_raw256_reference.global_qu
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -33,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax.config import ModelConfig, read_config_json
-from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
 from longspec_jax.drafters.frozen_target import (apply_final_norm, check_block_drafter, check_reads_target,
                                                  default_target_layer_ids, embed_tokens, head_logits, target_io,
                                                  taps_of, with_draft_vocab)
@@ -42,6 +45,10 @@ from longspec_jax.model import DecoderLayer, Linear, RMSNorm
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.sampling import processed_log_probs
 from longspec_jax.pallas_kernels.length_masked_attention import length_masked_attention, merge_attention_views
+
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
+  from longspec_jax.model import Transformer
 
 ARCHITECTURE = "LongSparkDraftModel"
 LONGSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_global_slots", "raw_window",
@@ -115,7 +122,7 @@ class LongSparkConfig:
 
 def longspark_config_for(target: ModelConfig, *, num_layers: int = 5, markov_rank: int = 0,
                          num_global_slots: int = 16, raw_window: int = 256, block_size: int = 7,
-                         mask_token_id: int | None = None, **arch_overrides) -> LongSparkConfig:
+                         mask_token_id: int | None = None, **arch_overrides: Any) -> LongSparkConfig:
   """A LongSpark config for `target`: its width, heads, MLP width (or `intermediate_size=`), vocabulary and RoPE;
   `num_layers` target layers evenly spaced as in DFlash, one drafter layer each. mask_token_id: the block's mask
   token (default the target's; a target without one, e.g. SmolLM2, needs an id it never emits)."""
@@ -202,11 +209,11 @@ class LongSparkModel(nnx.Module):
     self.dtype = dtype
 
   @property
-  def learned_query(self):
+  def learned_query(self) -> nnx.Param:
     """The Global slot keys [L, Hq, G, D]."""
     return self.global16_raw256_reference.global_query_generator.learned_query
 
-  def slot_scores(self, k):
+  def slot_scores(self, k: jax.Array) -> jax.Array:
     """Target keys k [L, ..., R, Hkv, D] -> fp32 slot logits [..., L, Hkv, g, G, R] (1/sqrt(D) applied)."""
     a = self.cfg.arch
     hkv, g = a.num_key_value_heads, a.q_per_kv
@@ -214,7 +221,7 @@ class LongSparkModel(nnx.Module):
     s = jnp.einsum("lkgsd,l...rkd->...lkgsr", gq, k.astype(jnp.float32))
     return s * a.head_dim ** -0.5
 
-  def block_input(self, io, pending, boundary_hidden):
+  def block_input(self, io: dict, pending: jax.Array, boundary_hidden: jax.Array) -> jax.Array:
     """pending [...] token ids, boundary_hidden [..., L, H] -> the embedded block [..., B_s, H]."""
     cfg = self.cfg
     toks = jnp.concatenate([pending[..., None], jnp.full(pending.shape + (cfg.block_size - 1,), cfg.mask_token_id,
@@ -222,7 +229,8 @@ class LongSparkModel(nnx.Module):
     boundary = self.draft_state_encoder(boundary_hidden.astype(self.dtype))
     return self.parallel_shifted_input(embed_tokens(io, toks, self.dtype), boundary)
 
-  def block_hidden(self, x, positions, attend):
+  def block_hidden(self, x: jax.Array, positions: jax.Array,
+                   attend: Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]) -> jax.Array:
     """x [B, T, H] at positions [B, T]; attend(layer, q, k, v) -> [B, T, Hq, D] merges the three views."""
     rope = rope_frequencies(self.cfg.arch, jnp.max(positions))
     for li, layer in enumerate(self.parallel_qwen_layers):
@@ -231,11 +239,12 @@ class LongSparkModel(nnx.Module):
       x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x
 
-  def markov_bias(self, prev):
+  def markov_bias(self, prev: jax.Array) -> jax.Array | float:
     return self.parallel_markov_head(prev) if self.parallel_markov_head is not None else 0.0
 
 
-def merge_rows(out, lse, scores, values, valid):
+def merge_rows(out: jax.Array, lse: jax.Array, scores: jax.Array, values: jax.Array,
+               valid: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Online-softmax merge of R new rows into per-slot summaries (exact; rows with valid=False contribute nothing).
 
   out [..., S, D] fp32: normalised weighted value sums; lse [..., S] fp32 (-inf = empty); scores [..., S, R] fp32
@@ -264,12 +273,13 @@ class LongSparkState:
 
 
 @dataclasses.dataclass(frozen=True)
-class LongSparkDrafter:
+class LongSparkDrafter(DrafterSpec):
   graphdef: nnx.GraphDef
   cfg: LongSparkConfig
   name: str = "longspark"
   needs_target_kv: bool = True
   catch_up_in_propose = False  # update merges the verified rows into the views
+  drafts_blocks = True
 
   @property
   def taps(self) -> tuple[int, ...]:
@@ -290,7 +300,7 @@ class LongSparkDrafter:
     ids = jnp.asarray(self.cfg.target_layer_ids)
     return new_kv[0][ids], new_kv[1][ids]
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: dict, prefill: PrefillResult, max_len: int) -> LongSparkState:
     del max_len  # the state does not grow
     model, cfg = self._model(params), self.cfg
     a = cfg.arch
@@ -323,7 +333,8 @@ class LongSparkDrafter:
     return LongSparkState(g_out=g_out, g_lse=g_lse, ring_k=gather(k).astype(model.dtype),
                           ring_v=gather(v).astype(model.dtype), hidden=hidden.astype(jnp.float32), length=lens)
 
-  def block_logits(self, params, state: LongSparkState, pending, num_draft: int | None = None, record=None):
+  def block_logits(self, params: dict, state: LongSparkState, pending: jax.Array, num_draft: int | None = None,
+                   record: list | None = None) -> jax.Array:
     """Base logits [B, num_draft (default B_s), V] (before the Markov term) of the block anchored at `pending`
     (position length). `record`, a list, receives per layer the [B, B_s, Hq, 3] attention mass on (Global, Raw,
     Local)."""
@@ -351,14 +362,15 @@ class LongSparkDrafter:
     h = model.block_hidden(x, pos, attend)[:, :num_draft]
     return head_logits(params["io"], apply_final_norm(params["io"], h))
 
-  def diagnostics(self, params, state, ctx):
+  def diagnostics(self, params: dict, state: LongSparkState, ctx: ProposeContext) -> dict[str, jax.Array]:
     """Attention mass of the next block's queries on (Global, Raw, Local) per drafter layer, [L, 3] (mean over
     sequences, block rows and heads): how much each view carries at this context."""
     record = []
     self.block_logits(params, state, ctx.pending, 1, record=record)
     return {"view_mass_global_raw_local": jnp.stack([r.mean((0, 1, 2)) for r in record])}
 
-  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+  def propose(self, params: dict, state: LongSparkState, ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, LongSparkState]:
     bs = self.cfg.block_size
     if not 1 <= num_draft <= bs:
       raise ValueError(f"num_draft {num_draft} is outside [1, {bs}] for a LongSpark block of {bs}")
@@ -386,7 +398,7 @@ class LongSparkDrafter:
     _, (drafts, probs) = jax.lax.scan(step, pending, (jnp.moveaxis(base, 1, 0), jnp.arange(num_draft)))
     return drafts.T, (jnp.moveaxis(probs, 0, 1) if sample else None), state
 
-  def update(self, params, state, verify):
+  def update(self, params: dict, state: LongSparkState, verify: VerifyResult) -> LongSparkState:
     """Merges the committed rows (pending + accepted drafts) of the verify pass; the rest never enter."""
     model, cfg = self._model(params), self.cfg
     k, v = self._layer_kv(verify.new_kv)  # [L, B, K+1, Hkv, D]
@@ -407,7 +419,7 @@ class LongSparkDrafter:
                           length=(verify.num_tokens - 1).astype(jnp.int32))
 
 
-def longspark_from_model(model: LongSparkModel, target) -> LoadedDrafter:
+def longspark_from_model(model: LongSparkModel, target: Transformer) -> LoadedDrafter:
   """The drafter for `target`. Its block queries take the target's RoPE (e.g. YaRN when the target runs past its
   trained context), because they attend to the target's own rotated keys in the Raw window."""
   model.cfg.check_target(target.cfg)
@@ -421,7 +433,7 @@ def longspark_from_model(model: LongSparkModel, target) -> LoadedDrafter:
                        {"drafter": state, "io": target_io(target, final_norm=True)})
 
 
-def create_longspark(cfg: LongSparkConfig, seed: int = 0, dtype=jnp.float32) -> LongSparkModel:
+def create_longspark(cfg: LongSparkConfig, seed: int = 0, dtype: jax.typing.DTypeLike = jnp.float32) -> LongSparkModel:
   return LongSparkModel(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
 
 
@@ -437,20 +449,22 @@ def _our_name(name: str) -> str:
   return name
 
 
-def save_longspark_dir(model: LongSparkModel, out_dir, dtype=np.float32) -> Path:
+def save_longspark_dir(model: LongSparkModel, out_dir: str | os.PathLike,
+                       dtype: jax.typing.DTypeLike = np.float32) -> Path:
   """config.json + model.safetensors with the public LongSpark tensor names (torch [out, in] layout)."""
   from longspec_jax.hf_io import save_drafter_dir, to_hf_tensors
   tensors = {_public_name(k): v for k, v in to_hf_tensors(model, np.float32, prefix="").items()}
   return save_drafter_dir(out_dir, model.cfg.to_hf_dict(), tensors, dtype)
 
 
-def load_longspark_model(drafter_dir, dtype=jnp.float32) -> LongSparkModel:
+def load_longspark_model(drafter_dir: str | os.PathLike, dtype: jax.typing.DTypeLike = jnp.float32) -> LongSparkModel:
   from longspec_jax.hf_io import load_drafter_weights
   cfg = LongSparkConfig.from_hf_dict(read_config_json(Path(drafter_dir) / "config.json", "LongSpark"))
   return load_drafter_weights(drafter_dir, lambda: LongSparkModel(cfg, rngs=nnx.Rngs(0), dtype=dtype), _our_name)
 
 
-def load_longspark(drafter_dir, target, draft_vocab: int | None = None) -> LoadedDrafter:
+def load_longspark(drafter_dir: str | os.PathLike, target: Transformer,
+                   draft_vocab: int | None = None) -> LoadedDrafter:
   """A LongSpark drafter directory (our export or the public layout) for `target`; `draft_vocab` cuts its LM
   head to the checkpoint's most frequent tokens (frozen_target.with_draft_vocab)."""
   return with_draft_vocab(longspark_from_model(load_longspark_model(drafter_dir), target), drafter_dir, draft_vocab)

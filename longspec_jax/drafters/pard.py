@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from longspec_jax.drafters.base import LoadedDrafter
+from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.sampling import processed_log_probs
 from longspec_jax.sharpdraft import SharpDraft
+
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
+  from longspec_jax.kv_cache import KVCache
+  from longspec_jax.model import Transformer
+  from longspec_jax.sampling import SamplingParams
 
 MODES = ("classic", "pard")
 DRAFTERS = (
@@ -33,7 +41,8 @@ DRAFTERS = (
 )
 
 
-def pick_token(logits, key, sp, sample: bool):
+def pick_token(logits: jax.Array, key: jax.Array, sp: SamplingParams,
+               sample: bool) -> tuple[jax.Array, jax.Array | None]:
   """Greedy draft (no probabilities), or a sample from the processed distribution with its probabilities q."""
   if not sample:
     return jnp.argmax(logits, -1).astype(jnp.int32), None
@@ -42,7 +51,7 @@ def pick_token(logits, key, sp, sample: bool):
 
 
 @dataclasses.dataclass(frozen=True)
-class StandaloneDrafter:
+class StandaloneDrafter(DrafterSpec):
   graphdef: nnx.GraphDef
   vocab_size: int
   mode: str = "classic"
@@ -60,14 +69,14 @@ class StandaloneDrafter:
     if self.mode == "pard" and self.mask_token_id is None:
       raise ValueError("PARD mode needs a mask_token_id")
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: nnx.State, prefill: PrefillResult, max_len: int) -> KVCache:
     model = nnx.merge(self.graphdef, params)
     b = prefill.tokens.shape[0]
     out = model(prefill.prompt_tokens, cache=model.init_cache(b, max_len), mode="prefill", return_logits=False,
                 sharpdraft=self.sharpdraft)
     return out.cache
 
-  def attention_logits(self, params, target, tokens):
+  def attention_logits(self, params: nnx.State, target: Transformer, tokens: jax.Array) -> list[jax.Array]:
     """Pre-softmax logits [B, Hq, 1, N] per drafter layer of the query that sees all N = T keys of `tokens`."""
     del target  # a standalone drafter reads only tokens
     return nnx.merge(self.graphdef, params).last_query_attention_logits(tokens)
@@ -82,7 +91,8 @@ class StandaloneDrafter:
     toks = jnp.where(pos < n_tok[:, None], toks, fill)
     return toks, pos, n_tok - 1 - start  # index of the newest committed token inside the window
 
-  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+  def propose(self, params: nnx.State, state: KVCache, ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, KVCache]:
     model = nnx.merge(self.graphdef, params)
     k = num_draft
     keys = jax.random.split(key, k)
@@ -112,11 +122,11 @@ class StandaloneDrafter:
     drafts = jnp.stack(drafts, axis=1)
     return drafts, (jnp.stack(probs, axis=1) if sample else None), cache
 
-  def update(self, params, state, verify):
+  def update(self, params: nnx.State, state: KVCache, verify: VerifyResult) -> KVCache:
     return state
 
 
-def standalone_from_model(model, mode: str = "classic", mask_token_id: int | None = None,
+def standalone_from_model(model: Transformer, mode: str = "classic", mask_token_id: int | None = None,
                           sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
   graphdef, params = nnx.split(model)
   if sharpdraft is not None and sharpdraft.num_layers != model.cfg.num_hidden_layers:
@@ -128,7 +138,8 @@ def standalone_from_model(model, mode: str = "classic", mask_token_id: int | Non
   return LoadedDrafter(spec, params)
 
 
-def load_standalone(drafter_dir, mode: str = "classic", sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
+def load_standalone(drafter_dir: str | os.PathLike, mode: str = "classic",
+                    sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
   from longspec_jax.hf_io import load_model_dir
   drafter_dir = Path(drafter_dir)
   meta_path = drafter_dir / "drafter.json"
@@ -137,11 +148,13 @@ def load_standalone(drafter_dir, mode: str = "classic", sharpdraft: SharpDraft |
   return standalone_from_model(model, mode, meta.get("mask_token_id"), sharpdraft)
 
 
-def load_classic(drafter_dir, target, sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
+def load_classic(drafter_dir: str | os.PathLike, target: Transformer,
+                 sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
   del target  # a standalone drafter reads only tokens
   return load_standalone(drafter_dir, "classic", sharpdraft)
 
 
-def load_pard(drafter_dir, target, sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
+def load_pard(drafter_dir: str | os.PathLike, target: Transformer,
+              sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
   del target
   return load_standalone(drafter_dir, "pard", sharpdraft)

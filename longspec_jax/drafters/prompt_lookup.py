@@ -4,17 +4,24 @@ the tokens that followed it. Static shapes: every candidate position is scored a
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
 
-from longspec_jax.drafters.base import LoadedDrafter, one_hot_probs
+from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter, one_hot_probs
 from longspec_jax.drafters.registry import DrafterEntry
+
+if TYPE_CHECKING:
+  from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
+  from longspec_jax.model import Transformer
 
 DRAFTERS = (DrafterEntry(name="prompt-lookup", loader="load_prompt_lookup"),)
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookupDrafter:
+class PromptLookupDrafter(DrafterSpec):
   vocab_size: int
   max_ngram: int = 3
   min_ngram: int = 1
@@ -35,18 +42,19 @@ class PromptLookupDrafter:
     """draft_length keeps one acceptance rate per matched n-gram length (0 = no match)."""
     return self.max_ngram + 1
 
-  def draft_class(self, ctx):
+  def draft_class(self, ctx: ProposeContext) -> jax.Array:
     return self.lookup(ctx, 1)[1]
 
-  def init_state(self, params, prefill, max_len):
+  def init_state(self, params: Any, prefill: PrefillResult, max_len: int) -> tuple[()]:
     return ()  # stateless: the token buffer is all it reads
 
-  def propose(self, params, state, ctx, key, num_draft: int, sample: bool):
+  def propose(self, params: Any, state: tuple[()], ctx: ProposeContext, key: jax.Array, num_draft: int,
+              sample: bool) -> tuple[jax.Array, jax.Array | None, tuple[()]]:
     drafts, _ = self.lookup(ctx, num_draft)
     probs = one_hot_probs(drafts, self.vocab_size) if sample else None
     return drafts, probs, state
 
-  def lookup(self, ctx, num_draft: int):
+  def lookup(self, ctx: ProposeContext, num_draft: int) -> tuple[jax.Array, jax.Array]:
     """(drafts [B, K], matched n-gram length [B]; 0 = no match, drafts repeat the last token)."""
     tokens, n_tok = ctx.tokens, ctx.num_tokens
     b, s_max = tokens.shape
@@ -70,10 +78,10 @@ class PromptLookupDrafter:
     cand = jnp.take_along_axis(tokens, jnp.clip(idx, 0, s_max - 1), axis=1)
     return jnp.where(best[:, None] >= 0, cand, last).astype(jnp.int32), matched
 
-  def update(self, params, state, verify):
+  def update(self, params: Any, state: tuple[()], verify: VerifyResult) -> tuple[()]:
     return state
 
 
-def load_prompt_lookup(drafter_dir, target) -> LoadedDrafter:
+def load_prompt_lookup(drafter_dir: str | os.PathLike | None, target: Transformer) -> LoadedDrafter:
   del drafter_dir  # no checkpoint: it reads only the token buffer
   return LoadedDrafter(PromptLookupDrafter(target.cfg.vocab_size))

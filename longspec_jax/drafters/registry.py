@@ -14,7 +14,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from longspec_jax.model import Transformer
 
 
 # K, drafts per verification: the default (or a block drafter's limit when smaller), and the most any method takes.
@@ -44,10 +50,11 @@ class DrafterEntry:
   architectures: tuple[str, ...] = ()
   module: str = ""  # the declaring module, filled in by the registry
 
-  def load(self, drafter_dir, target, **options):
+  def load(self, drafter_dir: str | os.PathLike | None, target: Transformer, **options: Any) -> Any:
+    """The drafter: a base.LoadedDrafter (not named in the hint: base imports this module)."""
     return getattr(importlib.import_module(self.module), self.loader)(drafter_dir, target, **options)
 
-  def load_trainer(self):
+  def load_trainer(self) -> tuple[type, Callable[..., Any]]:
     """(config class, train function) of `trainer`."""
     module, config, fn = self.trainer.split(":")
     mod = importlib.import_module(module)

@@ -9,6 +9,9 @@ back to the jnp reference on CPU or for shapes a kernel does not take; `impl=` f
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 
 from longspec_jax.pallas_kernels import _common
@@ -36,7 +39,8 @@ __all__ = [
 merge_attention_views = reference_merge_attention_views  # a few elementwise ops: XLA fuses them, no kernel
 
 
-def unsupported_reasons(q, k, chunk_size, block_sizes):
+def unsupported_reasons(q: jax.Array, k: jax.Array, chunk_size: int | None,
+                        block_sizes: BlockSizes | None) -> tuple[str | None, str | None]:
   """(TPU reason, GPU reason) why a kernel cannot take these inputs; None where it can."""
   return (
       tpu.unsupported_reason(kv_len=k.shape[1], dtype=k.dtype, chunk_size=chunk_size,
@@ -46,8 +50,10 @@ def unsupported_reasons(q, k, chunk_size, block_sizes):
   )
 
 
-def run_attention(impl, q, k, v, lengths, *, mode, param, n0, sm_scale, chunk_idx=None, chunk_size=None,
-                  block_sizes=None, interpret=False):
+def run_attention(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, mode: str,
+                  param: jax.Array, n0: float | None, sm_scale: float, chunk_idx: jax.Array | None = None,
+                  chunk_size: int | None = None, block_sizes: BlockSizes | None = None,
+                  interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """Attention over all valid keys (chunk_idx None) or the selected chunks, with the chosen implementation.
 
   Inputs are validated by the caller; lengths are clipped to [0, S]; param [B, Hq] is rho or alpha.
@@ -76,9 +82,12 @@ def run_attention(impl, q, k, v, lengths, *, mode, param, n0, sm_scale, chunk_id
   return _common.from_rows(out, tq), _common.from_rows(lse, tq)
 
 
-def length_masked_attention(q, k, v, lengths, *, rho=None, alpha=None, n0=None, sm_scale=None, top_k=None,
-                            chunk_size: int = 8, window_chunks: int = 1, chunk_scores=None,
-                            block_sizes: BlockSizes | None = None, impl: str = "auto", interpret=False):
+def length_masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.typing.ArrayLike, *,
+                            rho: jax.typing.ArrayLike | None = None, alpha: jax.typing.ArrayLike | None = None,
+                            n0: float | None = None, sm_scale: float | None = None, top_k: int | None = None,
+                            chunk_size: int = 8, window_chunks: int = 1,
+                            chunk_scores: jax.typing.ArrayLike | None = None, block_sizes: BlockSizes | None = None,
+                            impl: str = "auto", interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """Attention over keys 0..lengths-1 (optionally logit-scaled); returns (out [B,Tq,Hq,D], lse [B,Tq,Hq] f32).
 
   q [B, Tq, Hq, D] (Tq = draft block, 1..16); k, v [B, S, Hkv, D] with Hq % Hkv == 0; lengths [B]: keys

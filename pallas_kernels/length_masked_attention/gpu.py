@@ -11,6 +11,7 @@ query rows are padded to that; head_dim and the rows per step must already be po
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,8 @@ def chunks_per_step(chunk_size: int, block_sizes: _common.BlockSizes) -> int:
   return max(block_sizes.chunks_per_step, -(-_MIN_DOT // chunk_size))
 
 
-def unsupported_reason(*, head_dim: int, dtype, chunk_size: int | None, block_sizes: _common.BlockSizes):
+def unsupported_reason(*, head_dim: int, dtype: jax.typing.DTypeLike, chunk_size: int | None,
+                       block_sizes: _common.BlockSizes) -> str | None:
   if jnp.dtype(dtype) not in [jnp.dtype(t) for t in _DTYPES]:
     return f"dtype {jnp.dtype(dtype)} (supported: float32, bfloat16, float16)"
   if not _common.is_power_of_2(head_dim) or head_dim < _MIN_DOT:
@@ -95,8 +97,11 @@ def _kernel(lengths_ref, nvis_ref, q_ref, param_ref, k_ref, v_ref, *rest, step_r
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe_l), -jnp.inf)
 
 
-def attention_rows(q_rows, k, v, lengths, param_rows, n_visible, *, mode, n0, sm_scale, chunk_idx=None,
-                   chunk_size=None, block_sizes=_common.GPU_BLOCK_SIZES, interpret=False):
+def attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, param_rows: jax.Array,
+                   n_visible: jax.Array, *, mode: str, n0: float | None, sm_scale: float,
+                   chunk_idx: jax.Array | None = None, chunk_size: int | None = None,
+                   block_sizes: _common.BlockSizes = _common.GPU_BLOCK_SIZES,
+                   interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """Same contract as the TPU `attention_rows`: -> (out [B,Hkv,R,D] in q dtype, lse [B,Hkv,R] f32)."""
   bsz, hkv, r, d = q_rows.shape
   s = k.shape[1]

@@ -7,19 +7,24 @@ n = number of keys the row actually attends (all valid keys, or the valid keys o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from longspec_jax.pallas_kernels import _common
 
 
-def sharpdraft_rho(n_visible, alpha, n0):
+def sharpdraft_rho(n_visible: jax.typing.ArrayLike, alpha: jax.typing.ArrayLike,
+                   n0: float | jax.Array) -> jax.Array:
   """rho(n) = max(1, 1 + alpha * ln(n / n0)); n is clamped to >= 1 so an empty view gives rho = 1."""
   n = jnp.maximum(jnp.asarray(n_visible, jnp.float32), 1.0)
   return jnp.maximum(1.0, 1.0 + jnp.asarray(alpha, jnp.float32) * jnp.log(n / n0))
 
 
-def key_masked_attention(q, k, v, key_mask, scale):
+def key_masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array,
+                         scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   """q [B,Tq,Hq,D], k/v [B,S,Hkv,D], key_mask [B,Hkv,S] bool, scale [B,Hq] -> (out [B,Tq,Hq,D], lse [B,Tq,Hq]).
 
   Rows with no visible key return out = 0 and lse = -inf. The few query rows are put in [B, Hkv, G*Tq, D] order
@@ -46,7 +51,8 @@ def key_masked_attention(q, k, v, key_mask, scale):
   return to_q_order(out).astype(q.dtype), to_q_order(lse)
 
 
-def select_chunks(q, k, lengths, *, chunk_size: int, top_k: int, window_chunks: int, chunk_scores=None):
+def select_chunks(q: jax.Array, k: jax.Array, lengths: jax.Array, *, chunk_size: int, top_k: int, window_chunks: int,
+                  chunk_scores: jax.typing.ArrayLike | None = None) -> jax.Array:
   """Chunk indices attended in top-k mode: [B, Hkv, 1 + window_chunks + top_k] int32, -1 = empty slot.
 
   Order: the sink chunk 0, the `window_chunks` most recent chunks (oldest first; the last one holds key
@@ -92,21 +98,21 @@ def select_chunks(q, k, lengths, *, chunk_size: int, top_k: int, window_chunks: 
   return jnp.concatenate(parts, axis=-1).astype(jnp.int32)
 
 
-def chunk_key_mask(chunk_idx, lengths, chunk_size: int, kv_len: int):
+def chunk_key_mask(chunk_idx: jax.Array, lengths: jax.Array, chunk_size: int, kv_len: int) -> jax.Array:
   """[B, Hkv, S] mask of the valid keys inside the selected chunks (indices assumed distinct)."""
   cid = jnp.arange(kv_len) // chunk_size
   in_sel = jnp.any(chunk_idx[..., None] == cid, axis=2)
   return in_sel & (jnp.arange(kv_len) < lengths[:, None, None])
 
 
-def chunk_positions(chunk_idx, chunk_size: int):
+def chunk_positions(chunk_idx: jax.Array, chunk_size: int) -> jax.Array:
   """Key position of every slot of the selected chunks: [B, Hkv, n_selected * chunk_size], -1 = empty."""
   pos = chunk_idx[..., None] * chunk_size + jnp.arange(chunk_size)
   pos = jnp.where(chunk_idx[..., None] >= 0, pos, -1)
   return pos.reshape(*chunk_idx.shape[:2], -1).astype(jnp.int32)
 
 
-def gather_rows(x, positions):
+def gather_rows(x: jax.Array, positions: jax.Array) -> jax.Array:
   """x [B, S, Hkv, D], positions [B, Hkv, T] -> [B, T, Hkv, D]; empty slots (-1) read row 0."""
   b, s, hkv, _ = x.shape
   rows = jnp.clip(positions, 0, s - 1)
@@ -114,15 +120,20 @@ def gather_rows(x, positions):
   return jnp.moveaxis(out, 1, 2)
 
 
-def chunk_attention(q, k, v, lengths, chunk_idx, chunk_size: int, scale):
+def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, chunk_idx: jax.Array,
+                    chunk_size: int, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Attention over the selected chunks only, reading O(budget) keys: gathers them, then masks."""
   pos = chunk_positions(chunk_idx, chunk_size)
   key_mask = (pos >= 0) & (pos < lengths[:, None, None])
   return key_masked_attention(q, gather_rows(k, pos), gather_rows(v, pos), key_mask, scale)
 
 
-def reference_length_masked_attention(q, k, v, lengths, *, rho=None, alpha=None, n0=None, sm_scale=None,
-                                      top_k=None, chunk_size: int = 8, window_chunks: int = 1, chunk_scores=None):
+def reference_length_masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
+                                      rho: jax.typing.ArrayLike | None = None,
+                                      alpha: jax.typing.ArrayLike | None = None, n0: float | None = None,
+                                      sm_scale: float | None = None, top_k: int | None = None, chunk_size: int = 8,
+                                      window_chunks: int = 1,
+                                      chunk_scores: jax.typing.ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
   """Reference for `length_masked_attention`: returns (out [B,Tq,Hq,D] in q.dtype, lse [B,Tq,Hq] f32)."""
   b, tq, hq, d, s, hkv = _common.check_attention_inputs(q, k, v, lengths)
   mode, param = _common.scale_params(rho, alpha, n0, b, hq)
@@ -138,7 +149,7 @@ def reference_length_masked_attention(q, k, v, lengths, *, rho=None, alpha=None,
   return key_masked_attention(q, k, v, key_mask, head_scales(mode, param, n_visible, n0, sm_scale))
 
 
-def head_scales(mode, param, n_visible, n0, sm_scale):
+def head_scales(mode: str, param: jax.Array, n_visible: jax.Array, n0: float | None, sm_scale: float) -> jax.Array:
   """sm_scale * rho per (sequence, q head); param [B, Hq], n_visible [B, Hkv] keys each kv head attends."""
   if mode == _common.SCALE_GIVEN:
     return sm_scale * param
@@ -146,7 +157,8 @@ def head_scales(mode, param, n_visible, n0, sm_scale):
   return sm_scale * sharpdraft_rho(jnp.repeat(n_visible, g, axis=1), param, n0)
 
 
-def reference_merge_attention_views(outs, lses):
+def reference_merge_attention_views(outs: Sequence[jax.Array],
+                                    lses: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
   """Merges attention over disjoint key sets: outs [..., D] and lses [...] per view -> (out, lse).
 
   Exact: equals attention over the union of the views' keys. Views with lse = -inf (no keys) weigh 0.

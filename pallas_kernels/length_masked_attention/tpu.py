@@ -14,6 +14,7 @@ BlockSpec whose index map reads the chunk index from scalar-prefetched SMEM (as 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,8 @@ def dense_block(kv_len: int, block_kv: int) -> int | None:
   return None
 
 
-def unsupported_reason(*, kv_len: int, dtype, chunk_size: int | None, block_sizes: _common.BlockSizes):
+def unsupported_reason(*, kv_len: int, dtype: jax.typing.DTypeLike, chunk_size: int | None,
+                       block_sizes: _common.BlockSizes) -> str | None:
   if jnp.dtype(dtype) not in [jnp.dtype(t) for t in _DTYPES]:
     return f"dtype {jnp.dtype(dtype)} (supported: float32, bfloat16)"
   if chunk_size is None:
@@ -127,8 +129,11 @@ def _kernel(*refs, kv_heads, n_kv_refs, chunk, n_slots, mode, n0, sm_scale, dens
     lse_ref[...] = jnp.where(nonempty, m_sc[...] + jnp.log(safe_l), -jnp.inf)
 
 
-def attention_rows(q_rows, k, v, lengths, param_rows, n_visible, *, mode, n0, sm_scale, chunk_idx=None,
-                   chunk_size=None, block_sizes=_common.TPU_BLOCK_SIZES, interpret=False):
+def attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, param_rows: jax.Array,
+                   n_visible: jax.Array, *, mode: str, n0: float | None, sm_scale: float,
+                   chunk_idx: jax.Array | None = None, chunk_size: int | None = None,
+                   block_sizes: _common.BlockSizes = _common.TPU_BLOCK_SIZES,
+                   interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """q_rows [B,Hkv,R,D], k/v [B,S,Hkv,D], lengths [B], param_rows [B,Hkv,R] (rho or alpha), n_visible
   [B,Hkv], chunk_idx [B,Hkv,nsel] or None -> (out [B,Hkv,R,D] in q dtype, lse [B,Hkv,R] f32)."""
   bsz, hkv, r, d = q_rows.shape

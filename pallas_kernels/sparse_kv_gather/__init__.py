@@ -8,6 +8,9 @@ Both pick the kernel by `jax.default_backend()` and fall back to the jnp referen
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 
 from longspec_jax.pallas_kernels import _common
@@ -31,8 +34,9 @@ __all__ = [
 ]
 
 
-def gather_kv_chunks(k, v, chunk_idx, *, chunk_size: int, block_sizes: BlockSizes | None = None,
-                     impl: str = "auto", interpret=False):
+def gather_kv_chunks(k: jax.Array, v: jax.Array, chunk_idx: jax.Array, *, chunk_size: int,
+                     block_sizes: BlockSizes | None = None, impl: str = "auto",
+                     interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """Gathers selected chunks of K and V into a compact buffer: (k_sel, v_sel) [B, n_sel*chunk_size, Hkv, D].
 
   k, v [B, S, Hkv, D] (S a multiple of chunk_size); chunk_idx [B, Hkv, n_sel] int, n_sel static
@@ -55,9 +59,12 @@ def gather_kv_chunks(k, v, chunk_idx, *, chunk_size: int, block_sizes: BlockSize
   return jnp.where(empty, 0, k_sel).astype(k.dtype), jnp.where(empty, 0, v_sel).astype(v.dtype)
 
 
-def sparse_chunk_attention(q, k, v, lengths, chunk_idx, *, chunk_size: int, rho=None, alpha=None, n0=None,
-                           sm_scale=None, block_sizes: BlockSizes | None = None, impl: str = "auto",
-                           interpret=False):
+def sparse_chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.typing.ArrayLike,
+                           chunk_idx: jax.typing.ArrayLike, *, chunk_size: int,
+                           rho: jax.typing.ArrayLike | None = None, alpha: jax.typing.ArrayLike | None = None,
+                           n0: float | None = None, sm_scale: float | None = None,
+                           block_sizes: BlockSizes | None = None, impl: str = "auto",
+                           interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """Attention over the valid keys (< lengths[b]) of the selected chunks, read by index from the full cache.
 
   q [B, Tq, Hq, D]; k, v [B, S, Hkv, D]; chunk_idx [B, Hkv, n_sel] (-1 = empty; indices should be

@@ -8,6 +8,7 @@ size, chunks_per_step and head_dim must be.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,9 @@ def _kernel(idx_ref, k_ref, v_ref, k_out, v_out, *, chunk, per_step):
   v_out[dst, :] = jnp.where(valid[:, None], v_ref[src, :], 0)
 
 
-def gather_chunks(k, v, chunk_idx, *, chunk_size: int, block_sizes=_common.GPU_BLOCK_SIZES, interpret=False):
+def gather_chunks(k: jax.Array, v: jax.Array, chunk_idx: jax.Array, *, chunk_size: int,
+                  block_sizes: _common.BlockSizes = _common.GPU_BLOCK_SIZES,
+                  interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """k, v [B,S,Hkv,D], chunk_idx [B,Hkv,n_sel] -> (k_sel, v_sel) [B, n_sel*chunk, Hkv, D], empty slots zero."""
   bsz, s, hkv, d = k.shape
   n_sel = chunk_idx.shape[-1]

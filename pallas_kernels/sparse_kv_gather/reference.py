@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from longspec_jax.pallas_kernels import _common
@@ -9,7 +10,8 @@ from longspec_jax.pallas_kernels.length_masked_attention import reference as lma
 from longspec_jax.pallas_kernels.length_masked_attention.reference import chunk_positions
 
 
-def reference_gather_kv_chunks(k, v, chunk_idx, *, chunk_size: int):
+def reference_gather_kv_chunks(k: jax.Array, v: jax.Array, chunk_idx: jax.Array, *,
+                               chunk_size: int) -> tuple[jax.Array, jax.Array]:
   """Copies the selected chunks of K and V into a compact buffer.
 
   k, v [B, S, Hkv, D]; chunk_idx [B, Hkv, n_sel] (chunk c covers keys [c*chunk_size, (c+1)*chunk_size);
@@ -24,8 +26,11 @@ def reference_gather_kv_chunks(k, v, chunk_idx, *, chunk_size: int):
   return k_sel, v_sel
 
 
-def reference_sparse_chunk_attention(q, k, v, lengths, chunk_idx, *, chunk_size: int, rho=None, alpha=None,
-                                     n0=None, sm_scale=None):
+def reference_sparse_chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.typing.ArrayLike,
+                                     chunk_idx: jax.Array, *, chunk_size: int,
+                                     rho: jax.typing.ArrayLike | None = None,
+                                     alpha: jax.typing.ArrayLike | None = None, n0: float | None = None,
+                                     sm_scale: float | None = None) -> tuple[jax.Array, jax.Array]:
   """Reference for `sparse_chunk_attention`: attention over the valid keys of the selected chunks."""
   b, _, hq, d, s, hkv = _common.check_attention_inputs(q, k, v, lengths)
   _common.check_chunk_size(chunk_size, s)
@@ -38,7 +43,7 @@ def reference_sparse_chunk_attention(q, k, v, lengths, chunk_idx, *, chunk_size:
   return lma_reference.chunk_attention(q, k, v, lengths, chunk_idx, chunk_size, scale)
 
 
-def check_gather_inputs(k, v, chunk_idx, chunk_size):
+def check_gather_inputs(k: jax.Array, v: jax.Array, chunk_idx: jax.typing.ArrayLike, chunk_size: int) -> None:
   if k.ndim != 4 or k.shape != v.shape:
     raise ValueError(
         f"k and v must both be [batch, kv_len, kv_heads, head_dim] with equal shapes, got {k.shape} and {v.shape}")

@@ -9,6 +9,7 @@ zeroed by the caller (a DMA has no source of zeros).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,9 @@ def _kernel(idx_ref, k_hbm, v_hbm, k_out, v_out, sems, *, kv_heads, n_sel, chunk
   lax.fori_loop(max(n_sel - depth, 0), n_sel, drain, 0)
 
 
-def gather_chunks(k, v, chunk_idx, *, chunk_size: int, block_sizes=_common.TPU_BLOCK_SIZES, interpret=False):
+def gather_chunks(k: jax.Array, v: jax.Array, chunk_idx: jax.Array, *, chunk_size: int,
+                  block_sizes: _common.BlockSizes = _common.TPU_BLOCK_SIZES,
+                  interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """k, v [B,S,Hkv,D], chunk_idx [B,Hkv,n_sel] -> (k_sel, v_sel) [B, n_sel*chunk, Hkv, D]; empty slots hold
   chunk 0 (the dispatcher zeroes them)."""
   bsz, s, hkv, d = k.shape
