@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import resource
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -16,7 +16,7 @@ from longspec_jax.drafters.base import state_nbytes
 from longspec_jax.inference import engine
 from longspec_jax.inference.benchmark.measure import Timer, step_costs
 from longspec_jax.inference.benchmark.prompts import bench_prompts
-from longspec_jax.inference.generate import GenerationResult, generate
+from longspec_jax.inference.generate import GenerationResult, run_prepared
 
 if TYPE_CHECKING:
   from tokenizers import Tokenizer
@@ -36,12 +36,13 @@ def profile_step(config: engine.GenerationConfig, params: engine.GenerationParam
   return draft_ms, verify_ms, state_nbytes(state.drafter_state)
 
 
-def decode_rate(model: Transformer, prompts: Sequence[Sequence[int]], new_tokens: int, repeats: int,
-                **kw: Any) -> tuple[GenerationResult, float | None, float, float]:
-  """(result, decode tokens/s, prefill s, decode s). generate() times its prefill and decode programs apart;
-  medians over `repeats` calls after a compiling one. The first token of each sequence comes from the prefill, so
-  the rate counts the tokens the decode loop made."""
-  run = lambda: generate(model, prompts, max_new_tokens=new_tokens, **kw)
+def decode_rate(config: engine.GenerationConfig, params: engine.GenerationParams, inputs: engine.GenerationInputs,
+                repeats: int) -> tuple[GenerationResult, float | None, float, float]:
+  """(result, decode tokens/s, prefill s, decode s) of a prepared call (`engine.prepare`), its prefill and decode
+  programs timed apart: medians over `repeats` calls after a compiling one (the module-level jitted programs, which
+  profile_step reuses). The first token of each sequence comes from the prefill, so the rate counts the tokens the
+  decode loop made."""
+  run = lambda: run_prepared(config, params, inputs)
   run()
   results = [run() for _ in range(repeats)]
   res = results[-1]
@@ -54,25 +55,23 @@ def decode_rate(model: Transformer, prompts: Sequence[Sequence[int]], new_tokens
 def run_bench(model: Transformer, tok: Tokenizer, method: str, text: str, context: int, new_tokens: int,
               temperature: float = 0.0, seed: int = 0, batch: int = 1, num_draft: int | None = None,
               drafter_dir: str | Path | None = None, repeats: int = 3, top_k: int = 0, top_p: float = 1.0,
-              sharpdraft: str = "off", ar_baseline: tuple[GenerationResult, float | None, float, float] | None = None,
+              sharpdraft: str = "off",
               log: Callable[[str], None] | None = None, budget: int | None = None,
               draft_length: DraftLengthRule | str | None = None, learned: str | None = None,
               draft_vocab: int | None = None, parts: str | None = None, tree: DraftTree | str | None = None) -> dict:
-  """One method vs AR. `ar_baseline` = decode_rate(model, same prompts, same sampling) lets a sweep over methods
-  in one process time AR once per context. `log(message)` reports each phase (the CLI prints it to stderr)."""
+  """One method vs AR on the same prompts: each call prepared once (`engine.prepare`: checks, K, buckets), then
+  compiled, run and timed from that. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)
   drafter = load_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget, learned=learned,
                          draft_vocab=draft_vocab, parts=parts)
   prompts = bench_prompts(tok.encode(text).ids, context, batch, model.cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-  # The speculative call as generate() will run it: checks, K (the drafter's default when None), buckets.
+  # Each call as generate() runs it: checks, K (the drafter's default when None), buckets.
   spec_call = (engine.prepare(model, prompts, new_tokens, drafter=drafter, num_draft=num_draft,
                               draft_length=draft_length, tree=tree, **kw)
                if drafter is not None else None)
-
-  if ar_baseline is None:
-    log(f"ar: compiling, then {repeats} timed calls")
-  ar, ar_tps, ar_prefill, ar_decode = ar_baseline or decode_rate(model, prompts, new_tokens, repeats, **kw)
+  log(f"ar: compiling, then {repeats} timed calls")
+  ar, ar_tps, ar_prefill, ar_decode = decode_rate(*engine.prepare(model, prompts, new_tokens, **kw), repeats)
   out = {"method": method, "sharpdraft": sharpdraft, "context": context, "new_tokens": new_tokens,
          "batch": batch, "temperature": temperature, "seed": seed,
          "num_draft_tokens": spec_call[0].num_draft if spec_call else 0,
@@ -88,10 +87,7 @@ def run_bench(model: Transformer, tok: Tokenizer, method: str, text: str, contex
                exact_match_ar=True if temperature == 0 else None)
   else:
     log(f"{method}: compiling, then {repeats} timed calls")
-    res, tps, prefill, decode = decode_rate(model, prompts, new_tokens, repeats, drafter=drafter,
-                                            num_draft=spec_call[0].num_draft,
-                                            draft_length=spec_call[0].draft_length, tree=spec_call[0].tree,
-                                            **kw)
+    res, tps, prefill, decode = decode_rate(*spec_call, repeats)
     log(f"{method}: tau {res.stats['tau']:.2f}; timing one draft and one verify step")
     draft_ms, verify_ms, state_bytes = profile_step(*spec_call)
     out.update(tau=res.stats["tau"], accept_per_position=res.stats["accept_per_position"],

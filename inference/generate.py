@@ -43,9 +43,16 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
   `tree` (a `DraftTree` or its text, e.g. "0;1;0.0;0.0.0"): greedy tree drafting (eagle3) instead of a chain.
   """
   t0 = time.perf_counter()
-  config, params, inputs = engine.prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id,
-                                          drafter, num_draft, draft_length, tree)
-  state, prefill_s, decode_s = engine.run(config, params, inputs)
+  prepared = engine.prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, drafter,
+                            num_draft, draft_length, tree)
+  return run_prepared(*prepared, t0=t0)
+
+
+def run_prepared(config: engine.GenerationConfig, params: engine.GenerationParams, inputs: engine.GenerationInputs,
+                 programs: tuple | None = None, t0: float | None = None) -> GenerationResult:
+  """generate() from `engine.prepare`'s output (and `engine.compile_programs`'s, to reuse compiled programs)."""
+  t0 = time.perf_counter() if t0 is None else t0
+  state, prefill_s, decode_s = engine.run(config, params, inputs, programs=programs)
   tokens = engine.output_tokens(state, inputs)
   stats = {}
   if config.drafter is not None:
