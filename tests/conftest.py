@@ -29,6 +29,21 @@ jax.config.update("jax_default_matmul_precision", "highest")
 enable_compile_cache(str(COMPILE_CACHE))
 
 
+SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")  # measured: scripts/mark_slow_tests.py
+
+
+def slow_test_ids() -> set[str]:
+  return {line.strip() for line in SLOW_TESTS.read_text().splitlines() if line.strip() and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(config, items):
+  """The tests listed in slow_tests.txt are slow too: `-m "not slow"` (the quick subset) leaves them out."""
+  slow = slow_test_ids()
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionfinish(session):
   if not hasattr(session.config, "workerinput"):  # the controller, after every worker has finished
     shutil.rmtree(COMPILE_CACHE, ignore_errors=True)

@@ -62,3 +62,19 @@ def test_public_functions_have_type_hints():
   found = [u for folder in ("longspec_jax", "inference", "training", "pallas_kernels")
            for p in sorted((ROOT / folder).rglob("*.py")) if "assets" not in p.parts for u in _untyped(p)]
   assert not found, f"{len(found)} public functions without full type hints:\n" + "\n".join(found)
+
+
+def test_slow_list_names_existing_tests():
+  """Every test tests/slow_tests.txt names exists (a renamed test would otherwise drop back into the quick subset
+  unnoticed)."""
+  from tests.conftest import slow_test_ids
+  ids = slow_test_ids()
+  assert len(ids) > 20
+  missing = []
+  for node in sorted(ids):
+    path, _, name = node.partition("::")
+    func = name.split("[")[0].split("::")[-1]
+    source = (ROOT / path).read_text() if (ROOT / path).is_file() else ""
+    if f"def {func}(" not in source:
+      missing.append(node)
+  assert missing == [], f"slow_tests.txt names tests that do not exist: {missing}"
