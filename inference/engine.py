@@ -35,9 +35,9 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax.draft_tree import DraftTree, gather_path, load_tree, verify_tree_greedy
-from longspec_jax.drafters.registry import MAX_NUM_DRAFT
 from longspec_jax.drafters.base import (DrafterSpec, LoadedDrafter, PrefillResult, ProposeContext, VerifyResult,
                                        default_num_draft, max_draft_tokens)
+from longspec_jax.drafters.registry import MAX_NUM_DRAFT
 from longspec_jax.inference.draft_length import (DraftLengthRule, choose_size_index, default_sizes, initial_rates,
                                                  next_probe_wait, observed_rates, step_counts, update_rates)
 from longspec_jax.kv_cache import COMPILER_OPTIONS, KVCache
