@@ -362,7 +362,7 @@ def step(config: GenerationConfig, params: GenerationParams, inputs: GenerationI
   classes = jnp.zeros(state.done.shape, jnp.int32)
   if draft_classes(drafter) > 1:
     classes = drafter.draft_class(ProposeContext(tokens=state.tokens, num_tokens=state.num_tokens,
-                                                 sampling=inputs.sampling))
+                                                 sampling=inputs.sampling), params.drafter)
   scale = jnp.asarray(drafter.proposal_cost_scale, jnp.float32)
   proposal_scale = jnp.max(jnp.where(active, scale[jnp.minimum(classes, scale.shape[0] - 1)], 0.0))
   index = choose_size_index(rule, state.accept_rate[classes], active, state.idle_steps, proposal_scale,

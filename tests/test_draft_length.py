@@ -58,7 +58,7 @@ class StretchDrafter(DrafterSpec):
   catch_up_in_propose = True
   draft_classes = 2
 
-  def draft_class(self, ctx):
+  def draft_class(self, ctx, params=None):
     return (ctx.num_tokens // 8) % 2
 
   def init_state(self, params, prefill, max_len):

@@ -107,8 +107,10 @@ DRAFT_VOCAB_HELP = ("DFlash / LongSpark: the drafter's LM head cut to the N most
                     "of the checkpoint's draft_vocab.json): a cheaper draft pass; default the full vocabulary")
 PARTS_HELP = ("--method combined: the parts that are on, joined by '+' (of longspark, dflash, dels; default all "
               "its checkpoint names), e.g. longspark+dels")
+SUFFIX_INDEX_HELP = ("--method suffix / hybrid: a global n-gram index (longspec build-suffix-index) searched beside "
+                     "the prompt and output")
 # The load_drafter options a flag sets (the registry entry of a method says which apply to it).
-DRAFTER_OPTIONS = ("sharpdraft", "budget", "learned", "draft_vocab", "parts")
+DRAFTER_OPTIONS = ("sharpdraft", "budget", "learned", "draft_vocab", "parts", "suffix_index")
 
 
 def add_method_flags(p: argparse.ArgumentParser, *, required: bool = False,
@@ -127,6 +129,7 @@ def add_method_flags(p: argparse.ArgumentParser, *, required: bool = False,
   p.add_argument("--learned", choices=LEARNED_METHODS, help=LEARNED_HELP)
   p.add_argument("--draft-vocab", type=positive_int, metavar="N", help=DRAFT_VOCAB_HELP)
   p.add_argument("--parts", metavar="A+B", help=PARTS_HELP)
+  p.add_argument("--suffix-index", metavar="FILE", help=SUFFIX_INDEX_HELP)
   p.add_argument("--draft-length", metavar="fixed|auto|RULE.json", default="fixed", help=DRAFT_LENGTH_HELP)
   p.add_argument("--tree", metavar="PATHS", help=TREE_HELP)
 

@@ -61,6 +61,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
   if not text:
     raise ValueError("the prompt is empty")
   check_method_flags(a)
+  if a.suffix_index_update and not a.suffix_index:
+    raise ValueError("--suffix-index-update adds this generation to the index of --suffix-index FILE: give one")
   if a.compare_ar and a.method == "ar":
     raise ValueError("--compare-ar compares a speculative --method with AR; --method ar is AR already")
   check_output_file(a.json, "--json")
@@ -82,7 +84,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     log(f"prompt cut by --max-prompt-tokens: its first {a.max_prompt_tokens:,} of {len(ids):,} tokens kept")
     ids = ids[:a.max_prompt_tokens]
   check_draft_length_target(a, target_dir)
-  drafter = load_drafter(a.method, model, a.drafter, **drafter_options(a))
+  options = drafter_options(a)
+  if a.suffix_index:  # loaded here to check it against the target's tokenizer too
+    from longspec_jax.suffix_index import load_index
+    options["suffix_index"] = load_index(a.suffix_index, model.cfg.vocab_size, tok)
+  drafter = load_drafter(a.method, model, a.drafter, **options)
   call = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               seed=a.seed)
   config, params, inputs = engine.prepare(model, [ids], drafter=drafter, num_draft=a.num_draft,
@@ -149,6 +155,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     print(f"[generate] {summary}", file=sys.stderr)
   if a.stats:
     print(json.dumps(stats, indent=2), file=sys.stderr)
+  if a.suffix_index_update:
+    from longspec_jax.suffix_index import read_header, save_index, update_index
+    index = options["suffix_index"]
+    # the prompt's last tokens give the first generated tokens their contexts; the file keeps its cap
+    save_index(update_index(index, [ids[-index.orders[-1]:] + out_ids]), a.suffix_index,
+               read_header(a.suffix_index)["cap_bytes"])
+    log(f"added the {len(out_ids)} generated tokens to {a.suffix_index}")
   text_out = tok.decode([t for t in out_ids if t != model.cfg.eos_token_id])
   write_json(a.json, {"prompt_tokens": ids, "output_tokens": out_ids, "text": text_out, **stats})
   return 0
@@ -163,6 +176,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   g.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file (or --prompt)")
   g.add_argument("--max-new-tokens", type=positive_int, default=64, help="stop after this many new tokens (or EOS)")
   add_method_flags(g)
+  g.add_argument("--suffix-index-update", action="store_true",
+                 help="after generating, add the output to the --suffix-index file (rewritten whole; its size "
+                      "stays fixed)")
   g.add_argument("--compare-ar", action="store_true",
                  help="also run plain AR on the same prompt: its tokens/s, the speedup, and whether the tokens are "
                       "equal")

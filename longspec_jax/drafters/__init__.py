@@ -33,6 +33,8 @@ LEARNED_METHODS = sorted(e.name for e in ENTRIES.values() if e.checkpoint and "l
 DRAFT_VOCAB_METHODS = sorted(e.name for e in ENTRIES.values() if "draft_vocab" in e.options)
 # Methods made of parts that `--parts A+B` turns on (the rest off): the combined drafter.
 PARTS_METHODS = sorted(e.name for e in ENTRIES.values() if "parts" in e.options)
+# Methods that read a global n-gram index (`--suffix-index FILE`, from `longspec build-suffix-index`).
+SUFFIX_INDEX_METHODS = sorted(e.name for e in ENTRIES.values() if "suffix_index" in e.options)
 
 
 def method_names() -> list[str]:
@@ -48,7 +50,7 @@ def drafter_entry(name: str) -> DrafterEntry:
 
 def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None = None,
                           learned: str | None = None, draft_vocab: int | None = None,
-                          parts: str | None = None) -> None:
+                          parts: str | None = None, suffix_index: str | os.PathLike | Any = None) -> None:
   """Raises ValueError when an option does not apply to method `name` (jax-free: the CLI calls it before any
   model loads; load_drafter calls it too)."""
   from longspec_jax.sharpdraft_names import CHOICES
@@ -77,6 +79,10 @@ def check_drafter_options(name: str, sharpdraft: str = "off", budget: int | None
       raise ValueError(f"--parts applies to {', '.join(PARTS_METHODS)}, not to method {name!r}")
     if not isinstance(parts, str) or not parts:
       raise ValueError(f"parts must be part names joined by '+' (e.g. longspark+dels), got {parts!r}")
+  if suffix_index is not None and not (entry and "suffix_index" in entry.options):
+    raise ValueError(f"--suffix-index applies to {', '.join(SUFFIX_INDEX_METHODS)}, not to method {name!r}")
+  if isinstance(suffix_index, (str, os.PathLike)) and not Path(suffix_index).is_file():
+    raise FileNotFoundError(f"no suffix index at {suffix_index} (build one with `longspec build-suffix-index`)")
 
 
 def _vocab_size(target) -> int | None:
@@ -147,7 +153,8 @@ def check_architecture(entry: DrafterEntry, path: Path) -> None:
 
 def load_drafter(name: str, target: Transformer, drafter_dir: str | os.PathLike | None = None, sharpdraft: str = "off",
                  budget: int | None = None, learned: str | None = None,
-                 draft_vocab: int | None = None, parts: str | None = None) -> LoadedDrafter | None:
+                 draft_vocab: int | None = None, parts: str | None = None,
+                 suffix_index: str | os.PathLike | Any = None) -> LoadedDrafter | None:
   """The drafter of method `name` (see method_names()) for `target`, for `generate(..., drafter=)`; None for "ar".
 
   drafter_dir: a trained checkpoint directory (None = the one shipped for the default target).
@@ -158,16 +165,18 @@ def load_drafter(name: str, target: Transformer, drafter_dir: str | os.PathLike 
   checkpoint `drafter_dir` then is.
   draft_vocab: the drafter's LM head cut to the first N ids of its checkpoint's draft_vocab.json (the target's
   most frequent next tokens; DRAFT_VOCAB_METHODS only; None = the full vocabulary).
-  parts: the parts of a PARTS_METHODS drafter that are on, joined by '+' (None = all its checkpoint names)."""
+  parts: the parts of a PARTS_METHODS drafter that are on, joined by '+' (None = all its checkpoint names).
+  suffix_index: a SUFFIX_INDEX_METHODS drafter's global n-gram index (a file or a suffix_index.SuffixIndex)."""
   from longspec_jax.sharpdraft import load_sharpdraft
-  check_drafter_options(name, sharpdraft, budget, learned, draft_vocab, parts)
+  check_drafter_options(name, sharpdraft, budget, learned, draft_vocab, parts, suffix_index)
   entry = None if name == "ar" else drafter_entry(name)
   if entry is None:
     return None
   path = drafter_path(name, drafter_dir, target, learned) if entry.checkpoint else None
   if path is not None:
     check_architecture(drafter_entry(learned or name), path)
-  options = given_options(budget=budget, learned=learned, draft_vocab=draft_vocab, parts=parts)
+  options = given_options(budget=budget, learned=learned, draft_vocab=draft_vocab, parts=parts,
+                          suffix_index=suffix_index)
   if entry.sharpdraft:
     options["sharpdraft"] = load_sharpdraft(path, sharpdraft, name) if sharpdraft != "off" else None
   return entry.load(path, target, **options)

@@ -81,7 +81,8 @@ class DrafterSpec:
   """The base of every drafter spec: the optional abilities the engine asks a drafter about, declared as class
   attributes (a spec overrides those it has), so nothing is found by probing for methods."""
   # The per-step draft length (inference/draft_length.py): classes whose acceptance differs, known before proposing
-  # (`draft_class(ctx) -> [B] int32` when more than 1: prompt lookup's matched n-gram length), and the proposal's
+  # (`draft_class(ctx, params) -> [B] int32` when more than 1: prompt lookup's matched n-gram length; params are
+  # the drafter's, e.g. the suffix drafter's index), and the proposal's
   # cost per class relative to a learned drafter's pass (the last entry repeating). A scale of 0 also declares that
   # the class's proposal reads no drafter state: a step whose active sequences all have such classes (or that
   # drafts nothing) holds its committed rows, and `update` reads them in one call before the next proposal that

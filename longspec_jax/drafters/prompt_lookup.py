@@ -42,7 +42,7 @@ class PromptLookupDrafter(DrafterSpec):
     """draft_length keeps one acceptance rate per matched n-gram length (0 = no match)."""
     return self.max_ngram + 1
 
-  def draft_class(self, ctx: ProposeContext) -> jax.Array:
+  def draft_class(self, ctx: ProposeContext, params: Any = None) -> jax.Array:
     return self.lookup(ctx, 1)[1]
 
   def init_state(self, params: Any, prefill: PrefillResult, max_len: int) -> tuple[()]:
@@ -77,6 +77,11 @@ class PromptLookupDrafter(DrafterSpec):
     last = jnp.take_along_axis(tokens, (n_tok - 1)[:, None], axis=1)
     cand = jnp.take_along_axis(tokens, jnp.clip(idx, 0, s_max - 1), axis=1)
     return jnp.where(best[:, None] >= 0, cand, last).astype(jnp.int32), matched
+
+  def search(self, params: Any, ctx: ProposeContext, num_draft: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(drafts [B, K], matched n-gram length [B], draft class [B]: the same), as the suffix drafter's search."""
+    drafts, matched = self.lookup(ctx, num_draft)
+    return drafts, matched, matched
 
   def update(self, params: Any, state: tuple[()], verify: VerifyResult) -> tuple[()]:
     return state
