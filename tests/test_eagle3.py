@@ -281,7 +281,7 @@ def _write_public(path: Path, target_cfg, draft_vocab=48, **config_overrides):
             "num_hidden_layers": 1, "vocab_size": target_cfg.vocab_size, "draft_vocab_size": draft_vocab,
             "target_hidden_size": h, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "rope_scaling": None, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32",
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 0], "use_aux_hidden_state": True}}
+            "eagle_aux_hidden_state_layer_ids": [1, 1, 0]}
   config.update(config_overrides)
   from safetensors.numpy import save_file
   path.mkdir(parents=True, exist_ok=True)
@@ -358,7 +358,7 @@ def test_int8_storage_reads_back_within_one_step_and_stays_lossless(target, tmp_
     ({"vocab_size": V + 8}, "vocabulary"),
     ({"hidden_size": 64}, "hidden size"),
     ({"target_hidden_size": 64}, "hidden size"),
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 0]}}, r"aux hidden-state layer ids \[5\]"),
+    ({"eagle_aux_hidden_state_layer_ids": [1, 5, 0]}, r"eagle_aux_hidden_state_layer_ids \[5\] out of range"),
     ({"num_hidden_layers": 2}, "single-layer"),
     ({"head_dim": 16}, "shape mismatches"),
     ({"draft_vocab_size": 40}, "d2t must map"),

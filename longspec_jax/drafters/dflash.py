@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
 DRAFTERS = (DrafterEntry(name="dflash", loader="load_dflash", checkpoint="dflash", sharpdraft=True,
-                         architectures=("DFlashDraftModel",),
+                         architectures=("DFlashDraftModel", "DFlashSpeculator"),
                          options=("draft_vocab",),
                          trainer="longspec_jax.training.train_dflash:DFlashTrainConfig:train_dflash"),)
 
@@ -305,15 +305,22 @@ def save_dflash_dir(model: DFlashModel, out_dir: str | os.PathLike, dtype: jax.t
   return save_drafter_dir(out_dir, model.cfg.to_hf_dict(), to_hf_tensors(model, np.float32, prefix=""), dtype)
 
 
-def load_dflash_model(drafter_dir: str | os.PathLike, dtype: jax.typing.DTypeLike = jnp.float32) -> DFlashModel:
-  from longspec_jax.hf_io import load_drafter_weights
-  cfg = DFlashConfig.from_hf_dict(read_config_json(Path(drafter_dir) / "config.json", "DFlash"))
-  return load_drafter_weights(drafter_dir, lambda: DFlashModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+def load_dflash_model(drafter_dir: str | os.PathLike, dtype: jax.typing.DTypeLike = jnp.float32,
+                      num_target_layers: int | None = None) -> DFlashModel:
+  """A DFlash directory in z-lab's (ours) or speculators' layout (hf_drafter_formats; the latter needs the target's
+  `num_target_layers`)."""
+  from longspec_jax.hf_drafter_formats import read_native
+  from longspec_jax.hf_io import empty_model, load_params_into
+  read_config_json(Path(drafter_dir) / "config.json", "DFlash")  # a missing config is named as a DFlash one
+  d, tensors = read_native(drafter_dir, "dflash", num_target_layers)
+  cfg = DFlashConfig.from_hf_dict(d)
+  return load_params_into(empty_model(lambda: DFlashModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)), tensors,
+                          where=f" {drafter_dir}", prefix="")
 
 
 def load_dflash(drafter_dir: str | os.PathLike, target: Transformer, sharpdraft: SharpDraft | None = None,
                 draft_vocab: int | None = None) -> LoadedDrafter:
   """A DFlash drafter directory (our export or a public z-lab checkpoint) for `target`; `draft_vocab` cuts its
   LM head to the checkpoint's most frequent tokens (frozen_target.with_draft_vocab)."""
-  return with_draft_vocab(dflash_from_model(load_dflash_model(drafter_dir), target, sharpdraft), drafter_dir,
-                          draft_vocab)
+  model = load_dflash_model(drafter_dir, num_target_layers=target.cfg.num_hidden_layers)
+  return with_draft_vocab(dflash_from_model(model, target, sharpdraft), drafter_dir, draft_vocab)

@@ -56,7 +56,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
               "norm_before_residual", "n0")
 DRAFTERS = (DrafterEntry(name="eagle3", loader="load_eagle3", checkpoint="eagle3", sharpdraft=True,
-                         architectures=("LlamaForCausalLMEagle3",),
+                         architectures=("LlamaForCausalLMEagle3", "Eagle3DraftModel", "Eagle3Speculator"),
                          trainer="longspec_jax.training.train_eagle3:Eagle3TrainConfig:train_eagle3"),)
 
 
@@ -334,8 +334,10 @@ def save_eagle3(net: Eagle3Net, out_dir: str | os.PathLike, aux_layers: Sequence
   hf = cfg.to_hf_dict()
   hf.update(architectures=[ARCHITECTURE], torch_dtype="bfloat16" if dtype == jnp.bfloat16 else np.dtype(dtype).name,
             draft_vocab_size=draft_vocab, target_hidden_size=target.hidden_size,
-            eagle_aux_hidden_state_layer_ids=list(aux_layers),  # vLLM reads the top level, SGLang eagle_config
-            eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True})
+            eagle_aux_hidden_state_layer_ids=list(aux_layers))  # layer inputs, as vLLM reads them
+  if min(aux_layers) >= 1:  # SGLang / SpecForge read eagle_config's ids as layer outputs
+    hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in aux_layers],
+                          "use_aux_hidden_state": True}
   if n0 is not None:
     hf["n0"] = int(n0)
   tensors = to_hf_tensors(net, dtype, prefix="")
@@ -350,21 +352,24 @@ def save_eagle3(net: Eagle3Net, out_dir: str | os.PathLike, aux_layers: Sequence
 
 
 def _aux_ids(extra: dict, num_layers: int) -> tuple[int, ...]:
-  nested = (extra.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-  ids = nested or extra.get("eagle_aux_hidden_state_layer_ids")
+  """Layer-input ids (hf_drafter_formats.to_native has turned SpecForge's layer-output ids into these)."""
+  ids = extra.get("eagle_aux_hidden_state_layer_ids")
   return tuple(int(i) for i in ids) if ids else default_aux_layers(num_layers)
 
 
 def load_eagle3(drafter_dir: str | os.PathLike, target: Transformer,
                 sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
-  """Loads an EAGLE-3 directory (public layout) for `target` (a Transformer), validating it against the target."""
-  from longspec_jax.hf_io import _read_tensors, empty_model, load_params_into
+  """Loads an EAGLE-3 directory for `target` (a Transformer), validating it against the target: ours or SpecForge's
+  (LlamaForCausalLMEagle3) or speculators' layout (hf_drafter_formats)."""
+  from longspec_jax.hf_drafter_formats import read_native
+  from longspec_jax.hf_io import empty_model, load_params_into
 
   drafter_dir = Path(drafter_dir)
-  d = read_config_json(drafter_dir / "config.json", "EAGLE-3")
+  read_config_json(drafter_dir / "config.json", "EAGLE-3")  # a missing config is named as an EAGLE-3 one
+  tcfg = target.cfg
+  d, tensors = read_native(drafter_dir, "eagle3", tcfg.num_hidden_layers)
   extra = {k: d.pop(k) for k in EAGLE_KEYS if k in d}
   cfg = ModelConfig.from_hf_dict(d)
-  tcfg = target.cfg
   where = f"EAGLE-3 drafter {drafter_dir}"
   if cfg.num_hidden_layers != 1:
     raise ValueError(f"{where} has num_hidden_layers={cfg.num_hidden_layers}; only single-layer EAGLE-3 drafters "
@@ -388,7 +393,6 @@ def load_eagle3(drafter_dir: str | os.PathLike, target: Transformer,
   if not 0 < draft_vocab <= cfg.vocab_size:
     raise ValueError(f"{where}: draft_vocab_size {draft_vocab} must be in [1, vocab_size={cfg.vocab_size}]")
 
-  tensors = _read_tensors(drafter_dir)
   d2t = None
   if draft_vocab < cfg.vocab_size:
     if "d2t" not in tensors:
