@@ -58,6 +58,8 @@ class DistillStoreConfig:
   corpus_dir: str = "data/corpus"
   out_dir: str = "runs/distill"
   max_tokens: int = 9_000_000  # stop once this many tokens are stored (or the train split runs out)
+  max_minutes: float = 0.0  # >0: also stop (the shard in hand written) once this run has taken this long
+  max_documents: int = 0  # >0: only the train split's first N documents (a small store without tokenizing all)
   window_tokens: int = 8192
   taps: tuple[int, ...] = ()
   kv_layers: tuple[int, ...] = ()
@@ -77,6 +79,8 @@ class DistillStoreConfig:
       problems.append(f"window_tokens must be >= {MIN_WINDOW}, got {self.window_tokens}")
     if self.topk < 1 or self.max_tokens < 1 or self.shard_tokens < 1:
       problems.append("topk, max_tokens and shard_tokens must be >= 1")
+    if self.max_minutes < 0 or self.max_documents < 0:
+      problems.append(f"max_minutes and max_documents must be >= 0, got {self.max_minutes}, {self.max_documents}")
     if not 0 <= self.on_policy_fraction <= 1:
       problems.append(f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
     if self.on_policy_fraction and not 0 < self.on_policy_new_tokens < self.window_tokens:
@@ -200,7 +204,7 @@ def window_rows(forward: Callable[[nnx.State, jax.Array], dict[str, jax.Array]],
 def _settings(cfg: DistillStoreConfig, weights_id: str, stream_tokens: int) -> dict:
   """What fixes the store's contents: a rerun with other settings must not extend it."""
   s = dataclasses.asdict(cfg)
-  for key in ("out_dir", "max_tokens", "shard_tokens"):  # a rerun may store more, or into a moved directory
+  for key in ("out_dir", "max_tokens", "max_minutes", "shard_tokens"):  # a rerun may store more, or move
     s.pop(key)
   s.update(taps=list(cfg.taps), kv_layers=list(cfg.kv_layers), weights_sha256=weights_id,
            stream_tokens=stream_tokens, version=STORE_VERSION)
@@ -236,6 +240,7 @@ def build_distill_store(cfg: DistillStoreConfig, show_progress: bool = True) -> 
   tok = load_tokenizer(target_dir)
   eos = target.cfg.eos_token_id if target.cfg.eos_token_id is not None else 0
   texts = list(load_corpus(cfg.corpus_dir)["train"]["text"])  # the train split only: evaluation text stays out
+  texts = texts[:cfg.max_documents or len(texts)]
   stream = token_stream(texts, tok, eos, cfg.seed)
   windows = plan_windows(len(stream), cfg.window_tokens)
   on_policy = on_policy_windows(len(windows), cfg.on_policy_fraction, cfg.seed)
@@ -264,6 +269,9 @@ def build_distill_store(cfg: DistillStoreConfig, show_progress: bool = True) -> 
   for w in range(next_window, len(windows)):
     if stored + pending_tokens >= cfg.max_tokens:
       break
+    if cfg.max_minutes and time.perf_counter() - t0 >= cfg.max_minutes * 60:
+      print(f"distill store: --max-minutes {cfg.max_minutes} reached at {stored + pending_tokens} tokens")
+      break
     start, length = windows[w]
     ids = stream[start:start + length]
     generated_from = -1
@@ -287,7 +295,7 @@ def build_distill_store(cfg: DistillStoreConfig, show_progress: bool = True) -> 
                    bytes=sum(f.stat().st_size for f in out.glob("shard_*/*.npy")))
       # after the shard is in place: the index never names a missing one
       write_json_atomic(out / INDEX, index, indent=1)
-  if pending:  # max_tokens reached inside a shard
+  if pending:  # max_tokens or max_minutes reached inside a shard
     index["shards"].append(_write_shard(out, f"shard_{len(index['shards']):05d}", pending))
     stored += pending_tokens
     index.update(stored_tokens=stored, num_windows=len(windows),

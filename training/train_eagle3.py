@@ -452,7 +452,7 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
       "train_max_len": cfg.context_len + cfg.ttt_steps - 2,
       "data": store_record(store, train_w, val_w, train_tokens, "taps"),
       "loss": kind,
-      "steps": cfg.steps,
+      "steps": run.total_steps,  # cfg.steps, or what fitted its time budget
       "batch_size": cfg.batch_size,
       "ttt_steps": cfg.ttt_steps,
       "step_decay": cfg.step_decay,

@@ -548,7 +548,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
       "data": store_record(store, train_w, val_w, train_tokens, "kv_layers"),
       "loss": kind,
       "draft_vocab_size": cfg.draft_vocab_size or None,  # the default --draft-vocab when it drafts
-      "steps": cfg.steps,
+      "steps": run.total_steps,  # cfg.steps, or what fitted its time budget
       "batch_size": cfg.batch_size,
       "anchors_per_window": cfg.anchors_per_window,
       "tail_rows": cfg.tail_rows,

@@ -67,6 +67,11 @@ class RunConfig:
   mesh_data: int = 0  # 0 = all devices
   stop_after_steps: int = 0  # >0: stop (after checkpointing) once this many steps are done; rerun to continue
   eval_every: int = 0  # >0: held-out metrics every this many steps, in the log (trainers that define them)
+  # >0: train for about this many minutes of the training loop (compilation included) instead of `steps`, which
+  # then only caps the count: the first BUDGET_PROBE_STEPS steps time a step, the run's step count (and its
+  # learning-rate schedule) is set to what fits, kept in out_dir/budget.json for a resume, and the loop also
+  # stops, finished, at the deadline should steps slow down.
+  time_budget_minutes: float = 0.0
 
   def require_positive(self, *names: str) -> None:
     for name in names:
@@ -192,10 +197,12 @@ def train_loop(state: TrainState, train_step: Callable[[TrainState, dict], tuple
                batch_fn: Callable[[int], dict], total_steps: int, checkpointer: Checkpointer, log_path: str | Path, *,
                log_every: int = 10,
                tokens_fn: Callable[[int], int] = lambda step: 0, desc: str = "train",
-               evaluate: Callable[[Any], dict] | None = None, eval_every: int = 0) -> TrainState:
+               evaluate: Callable[[Any], dict] | None = None, eval_every: int = 0,
+               deadline: float | None = None, save_at_end: bool = True) -> TrainState:
   """Runs steps [state.step, total_steps), checkpointing on the clock and at the end. Safe to kill: a rerun
   resumes from the last checkpoint and replays the same batches. evaluate(params) -> held-out metrics, logged
-  (with the step's training metrics) every `eval_every` steps and at the end."""
+  (with the step's training metrics) every `eval_every` steps and at the end. deadline: a time.monotonic() value
+  after which no further step starts."""
   log_path = Path(log_path)
   log_path.parent.mkdir(parents=True, exist_ok=True)
   start = int(state.step)
@@ -205,6 +212,8 @@ def train_loop(state: TrainState, train_step: Callable[[TrainState, dict], tuple
   bar = tqdm(total=total_steps, initial=start, desc=desc, dynamic_ncols=True, disable=not main)
   with open(log_path, "a") if main else contextlib.nullcontext() as log:
     for step in range(start, total_steps):
+      if deadline is not None and agree(time.monotonic() >= deadline):
+        break
       batch = batch_fn(step)
       state, metrics = train_step(state, batch)
       tokens_seen += tokens_fn(step)
@@ -221,7 +230,8 @@ def train_loop(state: TrainState, train_step: Callable[[TrainState, dict], tuple
       if checkpointer.maybe_save(step + 1, state):
         bar.write(f"checkpoint saved at step {step + 1}")
   bar.close()
-  checkpointer.maybe_save(int(state.step), state, force=True)
+  if save_at_end:
+    checkpointer.maybe_save(int(state.step), state, force=True)
   return state
 
 
@@ -252,24 +262,78 @@ class Run:
 
   def train(self, train_step: Callable[[TrainState, dict], tuple[TrainState, dict]],
             batch_fn: Callable[[int], dict], *, tokens_fn: Callable[[int], int], desc: str,
-            evaluate: Callable[[Any], dict] | None = None) -> bool:
+            evaluate: Callable[[Any], dict] | None = None,
+            remake_step: Callable[[optax.GradientTransformation], Callable] | None = None) -> bool:
     """Trains to total_steps, or stops (checkpointed) after cfg.stop_after_steps when that is set and smaller.
-    Returns whether the run is finished."""
-    steps = self.total_steps
-    end = min(steps, self.cfg.stop_after_steps or steps)
+    Returns whether the run is finished. With cfg.time_budget_minutes the step count is fitted to the budget
+    first (fit_budget); remake_step(optimizer) -> the train step with another optimizer."""
+    kw = dict(log_every=self.cfg.log_every, tokens_fn=tokens_fn, desc=desc, evaluate=evaluate,
+              eval_every=getattr(self.cfg, "eval_every", 0))
+    deadline = None
     with jax.set_mesh(self.mesh):
+      if getattr(self.cfg, "time_budget_minutes", 0) > 0:
+        if remake_step is None:
+          raise ValueError("time_budget_minutes is not supported by this trainer")
+        train_step, deadline = self.fit_budget(train_step, batch_fn, remake_step, kw)
+      steps = self.total_steps
+      end = min(steps, self.cfg.stop_after_steps or steps)
       self.state = train_loop(self.state, train_step, batch_fn, end, self.checkpointer, self.out / "train_log.jsonl",
-                              log_every=self.cfg.log_every, tokens_fn=tokens_fn, desc=desc, evaluate=evaluate,
-                              eval_every=getattr(self.cfg, "eval_every", 0))
+                              deadline=deadline, **kw)
+      if deadline is not None and int(self.state.step) < end:  # out of time: finished where it stands
+        print(f"time budget spent at step {int(self.state.step)} of {steps}")
+        self.total_steps = steps = end = int(self.state.step)
+        if is_main_process():
+          write_json_atomic(self.out / BUDGET_FILE, {**json.loads((self.out / BUDGET_FILE).read_text()),
+                                                       "steps": end, "stopped_at_deadline": True})
     self.checkpointer.close()
     if end < steps:
       print(f"stopped after step {end} of {steps}; rerun the same command to continue")
     return end == steps
 
+  def fit_budget(self, train_step: Callable, batch_fn: Callable[[int], dict],
+                 remake_step: Callable[[optax.GradientTransformation], Callable], kw: dict) -> tuple[Callable, float]:
+    """cfg.time_budget_minutes: (the train step for the fitted step count, the loop's deadline). A first start
+    times BUDGET_PROBE_STEPS steps after the first (which compiles), sets total_steps to what fits in the rest of
+    the budget (at most cfg.steps) and records it in out_dir/budget.json; a resume takes the recorded count. The
+    optimizer is remade for the count: its state has the same structure, and the probe's steps are warmup steps
+    of either schedule while the probe is shorter than the warmup."""
+    budget_s = self.cfg.time_budget_minutes * 60
+    t0 = time.monotonic()
+    path = self.out / BUDGET_FILE
+    if path.exists() and int(self.state.step) > 0:
+      self.total_steps = json.loads(path.read_text())["steps"]
+    else:
+      log = self.out / "train_log.jsonl"
+      probe_kw = {**kw, "evaluate": None}  # held-out scoring at the probe's ends would count as step time
+      compiled = min(int(self.state.step) + 1, self.total_steps)
+      self.state = train_loop(self.state, train_step, batch_fn, compiled, self.checkpointer, log,
+                              save_at_end=False, **probe_kw)
+      jax.block_until_ready(self.state)
+      t1 = time.monotonic()
+      probe_end = min(compiled + BUDGET_PROBE_STEPS, self.total_steps)
+      self.state = train_loop(self.state, train_step, batch_fn, probe_end, self.checkpointer, log,
+                              save_at_end=False, **probe_kw)
+      jax.block_until_ready(self.state)
+      step_s = (time.monotonic() - t1) / max(probe_end - compiled, 1)
+      fits = probe_end + int(max(budget_s - (time.monotonic() - t0), 0) / max(step_s, 1e-9))
+      self.total_steps = max(min(self.total_steps, fits), probe_end)
+      if is_main_process():
+        write_json_atomic(path, {"budget_minutes": self.cfg.time_budget_minutes, "step_s": round(step_s, 5),
+                                 "first_step_s": round(t1 - t0, 2), "probe_steps": probe_end - compiled,
+                                 "steps": self.total_steps, "steps_cap": self.cfg.steps})
+      print(f"time budget {self.cfg.time_budget_minutes} min: first step {t1 - t0:.1f} s, then {step_s * 1e3:.1f} "
+            f"ms per step -> {self.total_steps} steps")
+    self.optimizer = make_optimizer(self.cfg.optim, self.total_steps)
+    return remake_step(self.optimizer), t0 + budget_s
+
   def local_params(self) -> Any:
     """The trained parameters as single-device arrays on every process (gathered where the mesh spans several),
     for export and validation outside the mesh. All processes must call it together."""
     return jax.tree.map(jnp.asarray, host_values(self.state.params))
+
+
+BUDGET_FILE = "budget.json"  # a time-budgeted run's fitted step count (Run.fit_budget)
+BUDGET_PROBE_STEPS = 5  # steps timed, after the compiling first one, to fit a time budget
 
 
 # Settings a resumed run may change: they do not alter what is trained (DeLS's tuning grid acts after training).

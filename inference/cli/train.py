@@ -66,7 +66,8 @@ def cmd_make_distill_store(a: argparse.Namespace) -> int:
 
   target_cfg = ModelConfig.from_json_file(resolve_target_dir(a.model) / "config.json")
   cfg = DistillStoreConfig(
-      target=a.model, corpus_dir=a.corpus, out_dir=a.out, max_tokens=a.max_tokens, window_tokens=a.window,
+      target=a.model, corpus_dir=a.corpus, out_dir=a.out, max_tokens=a.max_tokens, max_minutes=a.max_minutes,
+      max_documents=a.max_documents, window_tokens=a.window,
       taps=cache_tap_indices(a.taps, target_cfg) if a.taps else (), kv_layers=a.kv_layers or (), topk=a.topk,
       feature_dtype=FEATURE_DTYPES[a.dtype], shard_tokens=a.shard_tokens, on_policy_fraction=a.on_policy_fraction,
       on_policy_new_tokens=a.on_policy_new_tokens, seed=a.seed)
@@ -145,6 +146,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                               ("--shard-tokens", 65536, "tokens per shard (the unit of resume)"),
                               ("--on-policy-new-tokens", 256, "tokens the target generates per on-policy window")):
     d.add_argument(flag, type=positive_int, default=default, help=text)
+  d.add_argument("--max-minutes", type=nonneg_float, default=0.0,
+                 help="also stop once this run has taken this many minutes (0 = no limit; the shard in hand is kept)")
+  d.add_argument("--max-documents", type=nonneg_int, default=0,
+                 help="read only the train split's first N documents (0 = all): a small store, quickly")
   d.add_argument("--taps", default="", metavar="SPEC",
                  help="residual-stream taps to store: indices and/or drafter names, e.g. dflash,eagle3,2")
   d.add_argument("--kv-layers", type=int_list, metavar="L1,L2,...", help="target layers whose K/V rows to store")
