@@ -21,7 +21,6 @@ from longspec_jax.model import param_count
 from longspec_jax.fileio import write_json_atomic
 from longspec_jax.training.drafter_data import load_drafter_data, weights_sha256
 from longspec_jax.training.losses import cross_entropy, topk_distillation
-from longspec_jax.training.trainer import make_train_step
 
 if TYPE_CHECKING:
   from datasets import Dataset
@@ -133,7 +132,7 @@ def train_to_export(run: Any, loss_fn: Callable, batch_fn: Callable[[int], dict]
   """Trains `run` (see Run.train). Returns (trained local parameters, None) on the process that exports them, or
   (None, the directory to report): the checkpoints when stopped early, `final` on the other processes."""
   if not run.train(run.train_step(loss_fn), batch_fn, tokens_fn=tokens_fn, desc=desc, evaluate=evaluate,
-                   remake_step=lambda optimizer: make_train_step(loss_fn, optimizer)):
+                   loss_fn=loss_fn):
     return None, run.out / "checkpoints"
   params = run.local_params()  # every process takes part in the gather
   if not is_main_process():  # process 0 exports

@@ -262,19 +262,18 @@ class Run:
 
   def train(self, train_step: Callable[[TrainState, dict], tuple[TrainState, dict]],
             batch_fn: Callable[[int], dict], *, tokens_fn: Callable[[int], int], desc: str,
-            evaluate: Callable[[Any], dict] | None = None,
-            remake_step: Callable[[optax.GradientTransformation], Callable] | None = None) -> bool:
+            evaluate: Callable[[Any], dict] | None = None, loss_fn: Callable | None = None) -> bool:
     """Trains to total_steps, or stops (checkpointed) after cfg.stop_after_steps when that is set and smaller.
     Returns whether the run is finished. With cfg.time_budget_minutes the step count is fitted to the budget
-    first (fit_budget); remake_step(optimizer) -> the train step with another optimizer."""
+    first (fit_budget), which remakes the train step from `loss_fn` (that of train_step) for the fitted count."""
     kw = dict(log_every=self.cfg.log_every, tokens_fn=tokens_fn, desc=desc, evaluate=evaluate,
               eval_every=getattr(self.cfg, "eval_every", 0))
     deadline = None
     with jax.set_mesh(self.mesh):
       if getattr(self.cfg, "time_budget_minutes", 0) > 0:
-        if remake_step is None:
+        if loss_fn is None:
           raise ValueError("time_budget_minutes is not supported by this trainer")
-        train_step, deadline = self.fit_budget(train_step, batch_fn, remake_step, kw)
+        train_step, deadline = self.fit_budget(train_step, batch_fn, loss_fn, kw)
       steps = self.total_steps
       end = min(steps, self.cfg.stop_after_steps or steps)
       self.state = train_loop(self.state, train_step, batch_fn, end, self.checkpointer, self.out / "train_log.jsonl",
@@ -290,8 +289,8 @@ class Run:
       print(f"stopped after step {end} of {steps}; rerun the same command to continue")
     return end == steps
 
-  def fit_budget(self, train_step: Callable, batch_fn: Callable[[int], dict],
-                 remake_step: Callable[[optax.GradientTransformation], Callable], kw: dict) -> tuple[Callable, float]:
+  def fit_budget(self, train_step: Callable, batch_fn: Callable[[int], dict], loss_fn: Callable,
+                 kw: dict) -> tuple[Callable, float]:
     """cfg.time_budget_minutes: (the train step for the fitted step count, the loop's deadline). A first start
     times BUDGET_PROBE_STEPS steps after the first (which compiles), sets total_steps to what fits in the rest of
     the budget (at most cfg.steps) and records it in out_dir/budget.json; a resume takes the recorded count. The
@@ -324,7 +323,7 @@ class Run:
       print(f"time budget {self.cfg.time_budget_minutes} min: first step {t1 - t0:.1f} s, then {step_s * 1e3:.1f} "
             f"ms per step -> {self.total_steps} steps")
     self.optimizer = make_optimizer(self.cfg.optim, self.total_steps)
-    return remake_step(self.optimizer), t0 + budget_s
+    return make_train_step(loss_fn, self.optimizer), t0 + budget_s
 
   def local_params(self) -> Any:
     """The trained parameters as single-device arrays on every process (gathered where the mesh spans several),
