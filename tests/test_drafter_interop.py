@@ -317,3 +317,19 @@ def test_imported_drafters_generate_equal_to_ar(targets, tmp_path):
     spec = generate(target, prompts, max_new_tokens=16, eos_id=-1, num_draft=3,
                     drafter=load_drafter(method, target, drafter_dir=tmp_path / d))
     assert spec.tokens == ar.tokens, method
+
+
+@pytest.mark.parametrize("method,fmt", [("eagle3", "speculators"), ("dflash", "zlab")])
+def test_shipped_drafter_round_trip(tmp_path, method, fmt):
+  """A shipped drafter (stored int8) exported (fp32) and imported again drafts the same tokens with the same
+  acceptance at every step as the shipped one (needs no reference package)."""
+  from longspec_jax.drafters import drafter_path
+  from longspec_jax.inference.generate import generate
+  from longspec_jax.targets import load_target
+  target = load_target()
+  export_drafter(drafter_path(method, target=target), fmt, tmp_path / "out", dtype="float32")
+  prompts = [_tokens(24, 7)[0].tolist()]
+  runs = [generate(target, prompts, max_new_tokens=24, eos_id=-1, num_draft=4,
+                   drafter=load_drafter(method, target, drafter_dir=d)) for d in (None, tmp_path / "out")]
+  assert runs[0].tokens == runs[1].tokens
+  assert runs[0].stats == runs[1].stats

@@ -26,7 +26,7 @@ INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGIN
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from longspec_jax.inference.cli import bench, generate, suffix, target, train
+  from longspec_jax.inference.cli import bench, generate, interop, suffix, target, train
 
   p = Parser(prog="longspec", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
   dist = p.add_argument_group("multi-host runs (one process per host; scripts/tpu/run.sh passes --distributed)")
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
   dist.add_argument("--num-processes", type=positive_int, help="processes in the job")
   dist.add_argument("--process-id", type=nonneg_int, help="this process's index, 0 .. num-processes - 1")
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-  for group in (generate, bench, target, train, suffix):
+  for group in (generate, bench, target, train, suffix, interop):
     group.add_commands(sub)
   return p
 
