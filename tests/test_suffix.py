@@ -21,6 +21,7 @@ from longspec_jax.suffix_index import (SuffixIndexError, build_index, load_index
 from longspec_jax.suffix_index import context_hashes as host_hashes
 from tests.test_cli import TEXT, model_dir  # noqa: F401  (the CLI tests' tiny model directory fixture)
 from tests.test_draft_length import ConstantDrafter
+from tests.test_hybrid import _replay_script
 
 V = 128
 
@@ -80,6 +81,10 @@ def test_suffix_alone_with_memory_equals_ar(memory):
   fixed = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=suffix, num_draft=4)
   auto = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=suffix, num_draft=4, draft_length="auto")
   assert fixed.tokens == ar and auto.tokens == ar
+  # scripts/compare_suffix_drafters.py's replay of the same drafter gives the tau the engine measured
+  mod = _replay_script()
+  steps = [mod.replay(p, a, mod.ours_suffix(V, 64, index), k=4)[1] for p, a in zip(prompts, ar)]
+  assert sum(len(a) - 1 for a in ar) / sum(steps) == pytest.approx(fixed.stats["tau"])
 
 
 def test_hybrid_with_memory_equals_ar(memory):
