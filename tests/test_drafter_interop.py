@@ -333,3 +333,40 @@ def test_shipped_drafter_round_trip(tmp_path, method, fmt):
                    drafter=load_drafter(method, target, drafter_dir=d)) for d in (None, tmp_path / "out")]
   assert runs[0].tokens == runs[1].tokens
   assert runs[0].stats == runs[1].stats
+
+
+def _corrupt(src, out, config=None, drop=(), add=None, reshape=None):
+  """A copy of checkpoint `src` with config keys replaced, tensors dropped / added / one reshaped."""
+  from safetensors.numpy import load_file, save_file
+  out.mkdir()
+  cfg = json.loads((src / "config.json").read_text())
+  cfg.update(config or {})
+  (out / "config.json").write_text(json.dumps(cfg))
+  tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if k not in drop}
+  tensors.update(add or {})
+  if reshape:
+    tensors[reshape] = tensors[reshape][:-1]
+  save_file(tensors, str(out / "model.safetensors"))
+  return out
+
+
+def test_malformed_checkpoints_give_one_clear_error_each(tmp_path):
+  from longspec_jax.drafters import drafter_path
+  from longspec_jax.targets import load_target
+  target = load_target()
+  e3 = export_drafter(drafter_path("eagle3", target=target), "speculators", tmp_path / "e3", dtype="float32")
+  df = export_drafter(drafter_path("dflash", target=target), "zlab", tmp_path / "df", dtype="float32")
+  cases = [
+      ("eagle3", _corrupt(e3, tmp_path / "missing", drop=("layers.0.mlp.up_proj.weight",)),
+       r"speculators EAGLE-3 layout .*missing: missing tensors \['midlayer.mlp.up_proj.weight'\]"),
+      ("dflash", _corrupt(df, tmp_path / "unexpected", add={"candidate_selector.w": np.zeros(3, np.float32)}),
+       r"z-lab DFlash layout .*unexpected: unexpected tensors \['candidate_selector.w'\]"),
+      ("dflash", _corrupt(df, tmp_path / "shape", reshape="fc.weight"), r"shape mismatches \['fc.weight: checkpoint"),
+      ("eagle3", _corrupt(e3, tmp_path / "tap", config={"eagle_aux_hidden_state_layer_ids": [1, 99, 2]}),
+       r"speculators EAGLE-3 layout: eagle_aux_hidden_state_layer_ids \[99\] out of range"),
+      ("eagle3", _corrupt(e3, tmp_path / "kind", config={"speculators_model_type": "dspark"}),
+       r"speculators checkpoint of type 'dspark': only eagle3 and dflash"),
+  ]
+  for method, path, match in cases:
+    with pytest.raises(ValueError, match=match):
+      load_drafter(method, target, drafter_dir=path)
