@@ -112,8 +112,8 @@ def _check_tap_ids(layout: str, key: str, ids: list[int], low: int, num_target_l
   high = num_target_layers if kind == "inputs" else num_target_layers - 1
   bad = [i for i in ids if not low <= i <= high]
   if bad:
-    raise ValueError(f"{layout}: {key} {bad} out of range: they name layer {kind}, which for this "
-                     f"{num_target_layers}-layer target are {low}..{high}")
+    raise ValueError(f"{layout}: {key} {bad} out of range: they name layer {kind}, and these ids are outside "
+                     f"{low}..{high} for this {num_target_layers}-layer target")
 
 
 def _dflash_ids(cfg: dict) -> list[int]:
