@@ -87,12 +87,13 @@ if [[ $DRY_RUN == 1 ]]; then
   BASELINES=()  # the shipped small-target drafters read other layers than this store holds
 else
   # SmolLM2-135M: EAGLE-3's aux layers 2, 15, 27; LongSpark's K/V of layers 1, 14, 27 and their outputs (taps 2,
-  # 15, 28), as the shipped drafters (their drafter.json). Batches 16x the shipped runs' (the GPU idles at 4).
+  # 15, 28), as the shipped drafters (their drafter.json). EAGLE-3 batches 16x the shipped run's (the GPU idles at
+  # 4), LongSpark's 4x (each window brings its 8K prefix K/V: the host's copying bounds it; results/device_train).
   STORE_ARGS=(--model smollm2-135m --window 8192 --max-tokens 9000000 --taps 2,15,27,28 --kv-layers 1,14,27
               --dtype float8 --on-policy-fraction 0.1 --on-policy-new-tokens 256 --quiet)
   COMMON=(--set steps=1000000 --set eval_every=0 --set log_every=20 --set checkpoint_every_minutes=1.0)
   EAGLE3_SETS=(--set batch_size=64 --set draft_vocab_size=4096)
-  LONGSPARK_SETS=(--set batch_size=64)
+  LONGSPARK_SETS=(--set batch_size=16)
   EVAL_ARGS=(--draws 32)
   BASELINES=(--drafter shipped_eagle3=longspec_jax/assets/drafters/eagle3-smollm2-135m
              --drafter shipped_longspark=longspec_jax/assets/drafters/longspark-smollm2-135m)

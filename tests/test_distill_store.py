@@ -114,6 +114,27 @@ def test_fp8_round_trip_keeps_large_activations():
   assert (np.linalg.norm(b - x, axis=-1) / np.linalg.norm(x, axis=-1)).max() < 0.01
 
 
+def test_device_encoding_and_decoding_equal_numpys_bit_for_bit():
+  """The store's forward encodes on the device and the EAGLE-3 trainer decodes there: the bytes and values must be
+  those the numpy encoder and decoder give (a store or a batch does not depend on where it was made)."""
+  rng = np.random.default_rng(1)
+  x = (rng.normal(size=(40, 3, 2, 64)) * np.exp(rng.normal(size=(40, 3, 1, 1)) * 4)).astype(np.float32)
+  x[5, 1, 0, :8] = [1e-30, -1e-35, 3e-39, 0.0, -0.0, 1e-8, 4.5e5, 1e-3]  # subnormal, zero and huge entries
+  x[7, 2] = 0.0  # an all-zero group
+  for dtype in ds.FEATURE_DTYPES:
+    host = ds.encode_features(x, dtype)
+    dev = jax.jit(lambda a, d=dtype: ds.encode_on_device(a, d))(x)
+    assert sorted(dev) == sorted(host)
+    for k in host:
+      assert np.array_equal(np.asarray(dev[k]).view(np.uint8), host[k].view(np.uint8)), (dtype, k)
+    rows = {"taps": host["bits"], **({"taps_scale": host["scale"]} if "scale" in host else {})}
+    want = ds.decode_features(host["bits"], dtype, host.get("scale"))
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+      got = jax.jit(lambda r, d=dtype, o=out_dtype: ds.decode_on_device(r, "taps", d, o))(rows)["taps"]
+      assert np.array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(jnp.asarray(want).astype(out_dtype)
+                                                                            .astype(jnp.float32)))
+
+
 def test_on_policy_windows_hold_the_targets_own_continuation(setup):
   from longspec_jax.inference.generate import generate
   from longspec_jax.targets import load_target
@@ -267,7 +288,7 @@ def test_longspark_trains_from_the_store_and_stays_lossless(setup, tmp_path):
   from longspec_jax.drafters.longspark import load_longspark
   from longspec_jax.training.drafter_common import tau_sim
   from longspec_jax.training.train_longspark import (AnchorSampler, LongSparkTrainConfig, StoreLongSparkRows,
-                                                     train_longspark)
+                                                     decode_kv_batch, train_longspark)
   from longspec_jax.yaml_config import from_dict
   store_dir = build_distill_store(_cfg(setup, "kv01", kv_layers=(0, 1)), show_progress=False)
   cfg = from_dict(LongSparkTrainConfig, dict(
@@ -294,6 +315,12 @@ def test_longspark_trains_from_the_store_and_stays_lossless(setup, tmp_path):
     for s, pos in enumerate(b["slab_pos"][r]):
       expect = whole["kv"][pos, 1, 0] if pos >= 0 else 0.0
       np.testing.assert_array_equal(b["slab_k"][0, r, s], expect)
+  # training batches carry the K/V as stored (bf16 bits here) and are decoded in the step: to these, bit for bit
+  raw = AnchorSampler(StoreLongSparkRows(store, (1,), decode=False), np.arange(len(store.windows)), cfg, 0,
+                      tail=cfg.tail_rows).batch(5, 2)
+  assert "pre_k" not in raw and raw["pre_kv"].dtype == np.uint16
+  dec = jax.jit(lambda x: decode_kv_batch(x, store.settings["feature_dtype"]))(raw)
+  assert sorted(dec) == sorted(b) and all(np.array_equal(np.asarray(dec[k]), b[k]) for k in b)
   with pytest.raises(ValueError, match="K/V of layers \\[0\\], not \\[1\\]"):
     StoreLongSparkRows(DistillStore(build_distill_store(_cfg(setup, "plain"), show_progress=False)), (1,))
 

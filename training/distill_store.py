@@ -30,7 +30,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,7 @@ INDEX = "index.json"
 FEATURE_DTYPES = ("bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_WINDOW = 128  # a trailing piece of the stream shorter than this is dropped
+MAX_OPEN_ARRAYS = 256  # memmaps a DistillStore keeps open (a file descriptor each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +103,42 @@ def encode_features(x: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
   if dtype == "bf16":
     return {"bits": x.astype(ml_dtypes.bfloat16).view(np.uint16)}
   flat = x.reshape(x.shape[0], x.shape[1], -1)
-  scale = np.maximum(np.abs(flat).max(axis=-1), 1e-30).astype(np.float32) / FP8_MAX
+  # times the reciprocal, not divided: XLA turns a division by a constant into that product, and the two encoders
+  # must agree bit for bit
+  scale = np.maximum(np.abs(flat).max(axis=-1), 1e-30).astype(np.float32) * np.float32(1 / FP8_MAX)
   q = (flat / scale[..., None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
   return {"bits": q.reshape(x.shape), "scale": scale}
+
+
+def encode_on_device(x: jax.Array, dtype: str) -> dict[str, jax.Array]:
+  """encode_features in JAX, bit for bit (float32 max, product, division and one rounding cast), inside the
+  store's jitted forward: the host then only copies the encoded bytes."""
+  import jax
+  import jax.numpy as jnp
+  x = x.astype(jnp.float32)
+  if dtype == "bf16":
+    return {"bits": jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)}
+  flat = x.reshape(x.shape[0], x.shape[1], -1)
+  scale = jnp.maximum(jnp.abs(flat).max(axis=-1), jnp.float32(1e-30)) * jnp.float32(1 / FP8_MAX)
+  q = (flat / scale[..., None]).astype(jnp.float8_e4m3fn)
+  return {"bits": jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(x.shape), "scale": scale}
+
+
+def decode_on_device(rows: dict, name: str, dtype: str, out_dtype: Any) -> dict:
+  """`rows` (a batch read with decode=False) with feature `name` decoded in JAX to out_dtype: what
+  decode_features computes, bit for bit (an exact widening to float32, one float32 product, one rounding), inside a
+  jitted step, so the host only copies the stored bytes (numpy's fp8 cast is the slow part of reading a store)."""
+  import jax
+  import jax.numpy as jnp
+  rows = dict(rows)
+  bits, scale = rows.pop(name), rows.pop(f"{name}_scale", None)
+  if dtype == "bf16":
+    x = jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+  else:
+    x = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    x = x * scale.reshape(scale.shape + (1,) * (x.ndim - scale.ndim))
+  rows[name] = x.astype(out_dtype)
+  return rows
 
 
 def decode_features(bits: np.ndarray, dtype: str, scale: np.ndarray | None = None) -> np.ndarray:
@@ -145,7 +179,8 @@ ROW_CHUNK = 512  # LM-head rows at a time for the top-k: [512, V] fp32 logits in
 
 def make_forward(target: Transformer, cfg: DistillStoreConfig
                  ) -> Callable[[nnx.State, jax.Array], dict[str, jax.Array]]:
-  """A jitted teacher-forced pass over one window [1, W] -> (taps, kv, topk_ids, topk_logprobs) for its rows."""
+  """A jitted teacher-forced pass over one window [1, W] -> (taps, kv, topk_ids, topk_logprobs) for its rows, taps
+  and kv encoded as stored (cfg.feature_dtype; fp8 scales under NAME_scale)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -168,18 +203,24 @@ def make_forward(target: Transformer, cfg: DistillStoreConfig
 
     ids, vals = jax.lax.map(top, chunks)
     result = {"topk_ids": ids.reshape(-1, k), "topk_logprobs": vals.reshape(-1, k)}
+    features = {}
     if taps:
-      result["taps"] = out.taps[0]
+      features["taps"] = out.taps[0]
     if kv_layers:
       kk, vv = out.new_kv  # [L, 1, W, Hkv, D]
-      result["kv"] = jnp.stack([kk[kv_ids, 0], vv[kv_ids, 0]], 1).transpose(2, 0, 1, 3, 4)  # [W, n, 2, Hkv, D]
+      features["kv"] = jnp.stack([kk[kv_ids, 0], vv[kv_ids, 0]], 1).transpose(2, 0, 1, 3, 4)  # [W, n, 2, Hkv, D]
+    for name, x in features.items():
+      enc = encode_on_device(x, cfg.feature_dtype)
+      result[name] = enc["bits"]
+      if "scale" in enc:
+        result[f"{name}_scale"] = enc["scale"]
     return result
 
   return forward
 
 
 def window_rows(forward: Callable[[nnx.State, jax.Array], dict[str, jax.Array]], params: nnx.State,
-                ids: np.ndarray, window_tokens: int, feature_dtype: str, vocab_size: int) -> dict[str, np.ndarray]:
+                ids: np.ndarray, window_tokens: int, vocab_size: int) -> dict[str, np.ndarray]:
   """One window's stored arrays. The window is padded to window_tokens (rounded up to ROW_CHUNK) so every window
   runs one compiled program; padding after the last token changes none of its rows (causal attention)."""
   import jax.numpy as jnp
@@ -190,12 +231,7 @@ def window_rows(forward: Callable[[nnx.State, jax.Array], dict[str, jax.Array]],
   id_dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32  # SmolLM2's 49152 ids fit in 2 bytes
   rows = {"tokens": ids.astype(np.int32), "topk_ids": out["topk_ids"].astype(id_dtype),
           "topk_logprobs": out["topk_logprobs"].astype(np.float16)}
-  for name in ("taps", "kv"):
-    if name in out:
-      enc = encode_features(out[name].astype(np.float32), feature_dtype)
-      rows[name] = enc["bits"]
-      if "scale" in enc:
-        rows[f"{name}_scale"] = enc["scale"]
+  rows.update({k: v for k, v in out.items() if k.startswith(("taps", "kv"))})  # encoded by the forward
   return rows
 
 
@@ -283,7 +319,7 @@ def build_distill_store(cfg: DistillStoreConfig, show_progress: bool = True) -> 
       ids, generated_from = np.asarray(prompt + gen, np.int32), len(prompt)
       generated_tokens += len(gen)
     pending.append({"window": w, "generated_from": generated_from,
-                    "rows": window_rows(forward, params, ids, cfg.window_tokens, cfg.feature_dtype,
+                    "rows": window_rows(forward, params, ids, cfg.window_tokens,
                                         target.cfg.vocab_size)})
     pending_tokens += len(ids)
     bar.update(len(ids))
@@ -321,10 +357,15 @@ class DistillStore:
     self.index = json.loads((self.dir / INDEX).read_text())
     self.settings = self.index["settings"]
     self.windows = [(s["name"], w) for s in self.index["shards"] for w in s["windows"]]
+    self._maps = {}  # (shard, key) -> memmap or None: opening one parses its header, per read otherwise
 
   def _array(self, shard: str, key: str):
-    path = self.dir / shard / f"{key}.npy"
-    return np.load(path, mmap_mode="r") if path.exists() else None
+    if (shard, key) not in self._maps:
+      if len(self._maps) >= MAX_OPEN_ARRAYS:  # each open memmap holds a file descriptor
+        self._maps.clear()
+      path = self.dir / shard / f"{key}.npy"
+      self._maps[shard, key] = np.load(path, mmap_mode="r") if path.exists() else None
+    return self._maps[shard, key]
 
   def window_lengths(self) -> np.ndarray:
     return np.asarray([w["length"] for _, w in self.windows])
@@ -340,9 +381,10 @@ class DistillStore:
     return np.asarray(self._array(shard, "tokens")[w["offset"]:w["offset"] + w["length"]], np.int32)
 
   def read_rows(self, i: int, start: int, length: int, taps: Sequence[int] | None = None,
-                features: tuple[str, ...] = ("taps", "kv")) -> dict[str, np.ndarray]:
+                features: tuple[str, ...] = ("taps", "kv"), decode: bool = True) -> dict[str, np.ndarray]:
     """Rows [start, start + length) of window i (cut at its end), decoding only what is asked for: the stored
-    taps at positions `taps` of the store's tap list (None = all) and the `features` named."""
+    taps at positions `taps` of the store's tap list (None = all) and the `features` named. decode=False: each
+    feature as stored, its bits under its name and (fp8) its scales under NAME_scale, for decode_on_device."""
     shard, w = self.windows[i]
     lo = w["offset"] + start
     sl = slice(lo, w["offset"] + min(start + length, w["length"]))
@@ -357,6 +399,11 @@ class DistillStore:
       bits, scale = bits[sl], None if scale is None else scale[sl]
       if name == "taps" and taps is not None:
         bits, scale = bits[:, list(taps)], None if scale is None else scale[:, list(taps)]
+      if not decode:
+        out[name] = np.asarray(bits)
+        if scale is not None:
+          out[f"{name}_scale"] = np.asarray(scale)
+        continue
       out[name] = decode_features(np.asarray(bits), self.settings["feature_dtype"],
                                   None if scale is None else np.asarray(scale))
     return out
@@ -415,19 +462,22 @@ class StoreWindows:
   starts at a seeded random offset): batch s is a pure function of (seed, s), so a resumed run replays it.
   A batch holds tokens [B, W], valid [B], taps [B, W, n, H] (the tap layers asked for), topk_ids /
   topk_logprobs [B, W, k] (the target's distribution of the next token at each position); short windows are
-  padded with pad_id and zero features, and rows past `valid` carry no loss."""
+  padded with pad_id and zero features, and rows past `valid` carry no loss. decode=False: the taps as stored
+  (and taps_scale), for decode_on_device in the jitted step."""
 
-  def __init__(self, store: DistillStore, windows, width: int, tap_layers, pad_id: int, seed: int):
+  def __init__(self, store: DistillStore, windows, width: int, tap_layers, pad_id: int, seed: int,
+               decode: bool = True):
     if len(windows) == 0:
       raise ValueError(f"no windows to train on in the distillation store at {store.dir}")
     self.store, self.windows, self.width = store, np.asarray(windows), width
     self.lens = store.window_lengths()[self.windows]
     self.taps, self.pad_id, self.seed = store.tap_positions(tap_layers), pad_id, seed
+    self.decode = decode
 
   def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
     from longspec_jax.training.drafter_common import draw_windows
     _, picks, offs, _ = draw_windows(self.lens, self.seed, step, batch_size, self.width, rows)
-    parts = [self.store.read_rows(int(self.windows[p]), int(o), self.width, self.taps, ("taps",))
+    parts = [self.store.read_rows(int(self.windows[p]), int(o), self.width, self.taps, ("taps",), self.decode)
              for p, o in zip(picks, offs)]
     return pad_rows(parts, self.width, self.pad_id)
 

@@ -391,7 +391,7 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
   from the store, the loss `cfg.distill` against the target's soft labels; held-out tau_sim every eval_every
   steps on the store's held-out windows."""
   from longspec_jax.hf_io import load_model_dir, weights_sha256 as sha
-  from longspec_jax.training.distill_store import DistillStore, StoreWindows
+  from longspec_jax.training.distill_store import DistillStore, StoreWindows, decode_on_device
 
   kind = cfg.distill or "kl"
   store = DistillStore(cfg.store_dir)
@@ -403,7 +403,8 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
   aux = tuple(cfg.aux_layers) or default_aux_layers(tcfg.num_hidden_layers)
   # the held-out windows fixed at the first start: the curve's anchors stay put while the store grows
   train_w, val_w, _ = kept_store_split(cfg.out_dir, store, cfg.store_split(store), resume)
-  sampler = StoreWindows(store, train_w, cfg.context_len, aux, pad_id, cfg.seed)
+  # training batches carry the taps as stored, decoded in the step: the host only copies bytes
+  sampler = StoreWindows(store, train_w, cfg.context_len, aux, pad_id, cfg.seed, decode=False)
   val_sampler = StoreWindows(store, val_w, cfg.context_len, aux, pad_id, cfg.seed + 1)
   draft_ids = draft_vocab_from_counts(store.argmax_counts(train_w, tcfg.vocab_size), cfg.draft_vocab_size)
 
@@ -420,6 +421,7 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
   frozen = run.replicate(frozen_inputs(target, None, draft_ids, with_target=False))
 
   def loss_fn(p, batch):
+    batch = decode_on_device(batch, "taps", store.settings["feature_dtype"], dtype)
     return ttt_loss(nnx.merge(graphdef, p), batch["frozen"], batch, cfg.ttt_steps, cfg.step_decay, aux, pad_id,
                     kind)
 
@@ -427,7 +429,7 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
     return {**rows, "taps": rows["taps"].astype(dtype)}
 
   def batch_fn(step):
-    return {**run.batch(lambda r: cast(sampler.batch(step, cfg.batch_size, r)), cfg.batch_size), "frozen": frozen}
+    return {**run.batch(lambda r: sampler.batch(step, cfg.batch_size, r), cfg.batch_size), "frozen": frozen}
 
   stats = jax.jit(lambda p, f, b: ttt_stats(nnx.merge(graphdef, p), f, b, cfg.ttt_steps, aux, pad_id, kind))
   local_frozen = frozen_inputs(target, None, draft_ids, with_target=False)

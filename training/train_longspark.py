@@ -37,6 +37,7 @@ from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
 from longspec_jax.rope import apply_rope, rope_frequencies
 from longspec_jax.pallas_kernels.length_masked_attention import merge_attention_views
+from longspec_jax.training.distill_store import decode_on_device
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
 from longspec_jax.training.losses import cross_entropy
@@ -213,6 +214,20 @@ def batch_logits(model: LongSparkModel, batch: dict) -> jax.Array:
                                 batch["slab_k"], batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))
 
 
+def decode_kv_batch(batch: dict, feature_dtype: str) -> dict:
+  """A batch with the K/V as stored (StoreLongSparkRows(decode=False): pre_kv / slab_kv [B, rows, L, 2, Hkv, D]
+  and their scales) with pre_k / pre_v / slab_k / slab_v [L, B, rows, Hkv, D] decoded in JAX, the float32 values
+  window_kv gives; other batches as they are."""
+  if "pre_kv" not in batch:
+    return batch
+  for part in ("pre", "slab"):
+    batch = decode_on_device(batch, f"{part}_kv", feature_dtype, jnp.float32)
+    kv = batch.pop(f"{part}_kv")
+    batch[f"{part}_k"] = kv[:, :, :, 0].transpose(2, 0, 1, 3, 4)
+    batch[f"{part}_v"] = kv[:, :, :, 1].transpose(2, 0, 1, 3, 4)
+  return batch
+
+
 def longspark_loss(model: LongSparkModel, batch: dict, distill: str = "") -> tuple[jax.Array, dict]:
   """Training loss: CE on the data's next tokens, or with `distill` the loss of that kind against the store's
   soft labels (slot weights in label_w)."""
@@ -261,15 +276,17 @@ class StoreLongSparkRows:
   """A distillation store's windows read the way `LongSparkRows` reads a feature cache (tokens, the selected
   layers' K/V and outputs), plus the target's top-k next-token distribution at every row (`soft_labels`). A
   window's tail starts 2 rows before the target's own continuation (on-policy windows) or at its first row; with
-  `anywhere_fraction` most cuts are drawn anywhere anyway."""
+  `anywhere_fraction` most cuts are drawn anywhere anyway. decode=False: batches carry the K/V as stored (an
+  AnchorSampler then gives pre_kv / slab_kv, decoded in the step by decode_kv_batch), so the host only copies
+  bytes."""
 
-  def __init__(self, store, layer_ids):
+  def __init__(self, store, layer_ids, decode: bool = True):
     stored = list(store.settings["kv_layers"])
     missing = [l for l in layer_ids if l not in stored]
     if missing:
       raise ValueError(f"the distillation store at {store.dir} has K/V of layers {stored}, not {missing}; rebuild "
                        "it with --kv-layers including them")
-    self.store, self.layer_ids = store, tuple(layer_ids)
+    self.store, self.layer_ids, self.decode = store, tuple(layer_ids), decode
     self.kv_sel = [stored.index(l) for l in layer_ids]
     self.tap_sel = store.tap_positions([l + 1 for l in layer_ids])  # tap i = the output of layer i - 1
     self.lens = store.window_lengths()
@@ -290,6 +307,20 @@ class StoreLongSparkRows:
     if b > a:
       out[a - lo:b - lo] = kv[:b - a]
     return out[:, :, 0].transpose(1, 0, 2, 3), out[:, :, 1].transpose(1, 0, 2, 3)
+
+  def window_kv_bits(self, i: int, lo: int, hi: int) -> dict[str, np.ndarray]:
+    """window_kv as stored: {"kv": [rows, L, 2, Hkv, D] bits, and for fp8 "kv_scale": [rows, L]}; rows outside
+    the window are zero bits and scales, which decode to zero."""
+    a, b = max(lo, 0), min(hi, int(self.lens[i]))
+    raw = self.store.read_rows(int(i), a, max(b, a + 1) - a, None, ("kv",), decode=False)
+    out = {}
+    for key in ("kv", "kv_scale"):
+      if key in raw:
+        x = raw[key][:, self.kv_sel]
+        out[key] = np.zeros((hi - lo,) + x.shape[1:], x.dtype)
+        if b > a:
+          out[key][a - lo:b - lo] = x[:b - a]
+    return out
 
   def boundary(self, i: int, rows: np.ndarray) -> np.ndarray:
     lo = int(np.min(rows))
@@ -326,16 +357,22 @@ class AnchorSampler:
     cuts = c.tail_start[wins] if cuts is None else np.asarray(cuts)
     bs, w = cfg.block_size, cfg.raw_window
     soft = hasattr(c, "soft_labels")
-    parts = {k: [] for k in ("pre_k", "pre_v", "slab_k", "slab_v", "slab_pos", "boundary", "prev", "labels",
-                             "label_w") + (("topk_ids", "topk_logprobs") if soft else ())}
+    raw = not getattr(c, "decode", True)  # K/V as stored, decoded in the step (decode_kv_batch)
+    parts = {k: [] for k in ("slab_pos", "boundary", "prev", "labels", "label_w")
+             + (("topk_ids", "topk_logprobs") if soft else ())}
     for i, anc, s in zip(wins, anchors, cuts):
       s, t = int(s), int(c.lens[i])
       toks = c.tokens(i)
-      pk, pv = c.window_kv(i, 0, self.cp)
       lo = s - w
-      sk, sv = c.window_kv(i, lo, lo + self.slab)
+      if raw:
+        for part, (a, b) in (("pre", (0, self.cp)), ("slab", (lo, lo + self.slab))):
+          for key, x in c.window_kv_bits(i, a, b).items():
+            parts.setdefault(f"{part}_{key}", []).append(x)  # pre_kv, pre_kv_scale, slab_kv, slab_kv_scale
+      else:
+        for part, (a, b) in (("pre", (0, self.cp)), ("slab", (lo, lo + self.slab))):
+          k, v = c.window_kv(i, a, b)
+          parts.setdefault(f"{part}_k", []).append(k), parts.setdefault(f"{part}_v", []).append(v)
       pos = lo + np.arange(self.slab)
-      parts["pre_k"].append(pk), parts["pre_v"].append(pv), parts["slab_k"].append(sk), parts["slab_v"].append(sv)
       parts["slab_pos"].append(np.where((pos >= 0) & (pos < t), pos, -1))
       parts["boundary"].append(c.boundary(i, anc - 1))
       tgt = anc[:, None] + np.arange(bs + 1)[None, :]  # x_a .. x_{a+B_s}
@@ -495,7 +532,9 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
       cfg.out_dir, store, cfg.store_split(store), resume,
       lambda w: boundary_scale([AnchorSampler(rows, w, cfg, cfg.seed, tail=cfg.tail_rows)], cfg.batch_size)
       if cfg.normalize_boundary else None)
-  sampler = AnchorSampler(rows, train_w, cfg, cfg.seed, tail=cfg.tail_rows)
+  # training batches carry the K/V as stored, decoded in the step: the host only copies bytes
+  raw_rows = StoreLongSparkRows(store, dcfg.target_layer_ids, decode=False)
+  sampler = AnchorSampler(raw_rows, train_w, cfg, cfg.seed, tail=cfg.tail_rows)
   flat = dataclasses.replace(cfg, gamma=1e9, position_shift_max=0)  # held out: every slot counts alike
   val_sampler = AnchorSampler(rows, val_w, flat, cfg.seed + 1, tail=cfg.tail_rows)
   counts = store.argmax_counts(train_w, target.cfg.vocab_size)
@@ -525,7 +564,7 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   batch_fn = device_batches(run, [sampler], cfg.batch_size, extra)
 
   def loss_fn(p, batch):
-    return longspark_loss(nnx.merge(graphdef, p), batch, kind)
+    return longspark_loss(nnx.merge(graphdef, p), decode_kv_batch(batch, store.settings["feature_dtype"]), kind)
 
   stats = store_stats_fn(graphdef, kind)
   evaluate = store_evaluator(lambda p, b: stats(p, {**b, **local_extra}), val_sampler, cfg.batch_size,
