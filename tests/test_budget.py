@@ -138,7 +138,7 @@ def _teacher_forced(spec, params, prompt, lens, cont):
 
 @pytest.mark.parametrize("keep_recent", [True, False])
 def test_training_forward_equals_inference_forward(keep_recent):
-  from longspec_jax.training.train_budget import multiview_forward
+  from longspec_jax.drafters.budget import multiview_forward
   cfg = _cfg(layers=2)
   model = create_model(cfg, seed=4)
   rng = np.random.default_rng(2)

@@ -22,7 +22,7 @@ from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _
                                     peaky_target, target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
 from longspec_jax.training.train_dels import DeLSTrainConfig, init_head_params, merge_head
-from longspec_jax.training.train_dflash import dflash_train_logits
+from longspec_jax.drafters.dflash import dflash_train_logits
 
 BLOCK = 5
 

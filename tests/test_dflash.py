@@ -20,7 +20,7 @@ from longspec_jax.sampling import SamplingParams
 from tests.test_speculative import (N_POS, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts, _sample,
                                     peaky_target, target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
-from longspec_jax.training.train_dflash import dflash_train_logits
+from longspec_jax.drafters.dflash import dflash_train_logits
 
 BLOCK = 5
 

@@ -81,8 +81,8 @@ def test_budget_over_the_prompt_is_full_dflash_and_state_is_flat(target, dflash)
 def test_training_forward_equals_inference(target, dflash, keep_recent):
   """The multi-view trainer's sparse branch gives each anchor the logits the inference drafter computes after a
   prefill of the prompt and the rows from the prompt to the anchor verified; its full branch is DFlash's."""
-  from longspec_jax.training.train_dflash_budget import multiview_logits
-  from longspec_jax.training.train_dflash import dflash_train_logits
+  from longspec_jax.drafters.budget import dflash_multiview_logits
+  from longspec_jax.drafters.dflash import dflash_train_logits
   from flax import nnx
   model = nnx.merge(dflash.spec.graphdef, dflash.params["drafter"])
   rng = np.random.default_rng(2)
@@ -93,7 +93,7 @@ def test_training_forward_equals_inference(target, dflash, keep_recent):
   anchors = jnp.asarray([[37, 41, 50], [44, 52, 58]], jnp.int32)
   batch = {"io": target_io(target), "taps": taps, "tokens": toks, "anchors": anchors, "prompt_lens": jnp.asarray(lens),
            "num_chunks": jnp.full((b,), budget // CHUNK, jnp.int32)}
-  full, sparse = multiview_logits(model, batch, 32, keep_recent)  # max_budget 32, this batch's budget 16
+  full, sparse = dflash_multiview_logits(model, batch, 32, keep_recent)  # max_budget 32, this batch's budget 16
   np.testing.assert_allclose(np.asarray(full), np.asarray(dflash_train_logits(model, batch["io"], taps, toks, anchors)),
                              atol=1e-5)
   d = _budget(dflash, budget=budget, tail_tokens=32, keep_recent=keep_recent)

@@ -434,7 +434,8 @@ def test_dels_trains_from_the_store_over_store_dflash_and_longspark(setup, tmp_p
   from longspec_jax.drafters.frozen_target import target_io
   from longspec_jax.training.train_dels import (DeLSTrainConfig, read_head_factors, shipped_head, store_base,
                                                 store_val_hits, train_dels)
-  from longspec_jax.training.train_dflash import DFlashTrainConfig, batch_logits, train_dflash
+  from longspec_jax.drafters.dflash import train_batch_logits
+  from longspec_jax.training.train_dflash import DFlashTrainConfig, train_dflash
   from longspec_jax.training.train_longspark import LongSparkTrainConfig, train_longspark
   from longspec_jax.yaml_config import from_dict
   store_dir = build_distill_store(_cfg(setup, "kv01", kv_layers=(0, 1)), show_progress=False)
@@ -470,7 +471,7 @@ def test_dels_trains_from_the_store_over_store_dflash_and_longspark(setup, tmp_p
   v = store_val_hits(cfg("b"), drafter.spec.cfg, head, base)
   batch = {n: jnp.asarray(x) for n, x in base.sampler.batch(0, 2).items()}
   ids = base.draft_ids
-  logits = np.asarray(batch_logits(base.model, {**batch, "io": base.head_io["io"]})).reshape(-1, 3, len(ids))
+  logits = np.asarray(train_batch_logits(base.model, {**batch, "io": base.head_io["io"]})).reshape(-1, 3, len(ids))
   label = np.asarray(base.head_io["t2d"])[np.asarray(batch["topk_ids"][..., 0])].reshape(-1, 3)
   full = np.all(np.asarray(batch["label_w"]) > 0, -1).reshape(-1)
   assert full.sum() > 0

@@ -25,7 +25,7 @@ from longspec_jax.sampling import SamplingParams
 from longspec_jax.sharpdraft import SharpDraft
 from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample,  # noqa: F401
                                     peaky_target, target)
-from longspec_jax.training.train_eagle3 import ttt_forward
+from longspec_jax.drafters.eagle3 import ttt_forward
 
 ARCH = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64)
 

@@ -180,7 +180,7 @@ def test_dflash_tap_scale_folds_into_fc(env):
   from longspec_jax.drafters.dflash import create_dflash, dflash_config_for
   from longspec_jax.drafters.frozen_target import target_io
   from longspec_jax.training.drafter_common import fold_input_scale
-  from longspec_jax.training.train_dflash import dflash_train_logits
+  from longspec_jax.drafters.dflash import dflash_train_logits
   tmp, _ = env
   target = _target(tmp)
   dcfg = dflash_config_for(target.cfg, num_layers=1, num_target_taps=2, block_size=4)

@@ -26,7 +26,7 @@ from longspec_jax.verify import verify_greedy
 from tests.test_speculative import (N_POS, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts, _sample,
                                     peaky_target, target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
-from longspec_jax.training.train_longspark import anchor_summaries, longspark_train_logits
+from longspec_jax.drafters.longspark import anchor_summaries, longspark_train_logits
 
 W = 16  # a small raw window so that the tests' prompts and decodes wrap the ring
 
@@ -360,7 +360,7 @@ def test_train_longspark_exports_and_resumes_exactly(env, tmp_path):
 def test_position_shift_is_the_same_text_at_later_positions(target):
   """The trainer's shift augmentation: rotating cached target keys by `shift` gives exactly the keys (and the same
   taps) the target computes for the same text at positions + shift."""
-  from longspec_jax.training.train_longspark import _shift_window
+  from longspec_jax.drafters.longspark import shift_window
   m = _longspark(target, seed=5)
   toks = jnp.asarray(np.random.default_rng(1).integers(3, V, (2, 24)), jnp.int32)
   shift = jnp.asarray([0, 1500], jnp.int32)
@@ -369,7 +369,7 @@ def test_position_shift_is_the_same_text_at_later_positions(target):
   moved = target(toks, mode="train", taps=m.cfg.taps, return_kv=True, return_logits=False,
                  positions=jnp.arange(24)[None, :] + shift[:, None])
   k = base.new_kv[0][ids]
-  got = _shift_window(m, {"shift": shift, "pre_k": k, "slab_k": k})
+  got = shift_window(m, {"shift": shift, "pre_k": k, "slab_k": k})
   np.testing.assert_allclose(np.asarray(got["pre_k"]), np.asarray(moved.new_kv[0][ids]), atol=2e-4)
   np.testing.assert_allclose(np.asarray(base.taps), np.asarray(moved.taps), atol=2e-4)
 

@@ -11,8 +11,8 @@ from flax import nnx
 
 from tests.test_corpus_tokenizer import _fake_stdlib
 from longspec_jax.training.drafter_data import DrafterDataConfig, load_drafter_data, make_drafter_data
-from longspec_jax.training.train_pard import (PardTrainConfig, WindowSampler, drafter_model_config, pard_forward,
-                                    train_pard)
+from longspec_jax.drafters.pard import pard_forward
+from longspec_jax.training.train_pard import PardTrainConfig, WindowSampler, drafter_model_config, train_pard
 
 VOCAB = 320
 TINY = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,

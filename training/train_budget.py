@@ -28,11 +28,8 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
-from longspec_jax.attention import causal_attention, dense_masked_attention
-from longspec_jax.drafters.budget import CHUNK, check_budget, select_budget_chunks, selection_lengths
+from longspec_jax.drafters.budget import CHUNK, check_budget, multiview_forward
 from longspec_jax.model import Transformer, param_count
-from longspec_jax.rope import rope_frequencies
-from longspec_jax.pallas_kernels.length_masked_attention.reference import chunk_key_mask
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.losses import cross_entropy
 from longspec_jax.training.drafter_common import (data_target, last_logged, pad_token, split_indices,
@@ -162,44 +159,6 @@ class LongRowSampler:
     rng = np.random.default_rng([self.seed, step])
     budget = int(rng.choice(self.cfg.budgets, p=self.cfg.budget_probs))
     return self.take(rng.integers(0, len(self), size=batch_size), budget)
-
-
-def multiview_forward(model: Transformer, batch: dict, max_budget: int,
-                      keep_recent: bool) -> tuple[jax.Array, jax.Array]:
-  """(full-branch logits, sparse-branch logits), each [B, C, V] at the continuation rows."""
-  cfg = model.cfg
-  prompt, lens, cont = batch["prompt"], batch["prompt_lens"], batch["cont"]
-  b, p = prompt.shape
-  c = cont.shape[1]
-  pos_p = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
-  pos_c = lens[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
-  rope = rope_frequencies(cfg, jnp.max(pos_c))
-  causal = jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]  # [C, C]
-  prompt_valid = jnp.arange(p)[None, :] < lens[:, None]  # [B, P]
-  full_vis = jnp.concatenate([jnp.broadcast_to(prompt_valid[:, None], (b, c, p)),
-                              jnp.broadcast_to(causal[None], (b, c, c))], axis=-1)  # [B, C, P + C]
-  sel_len = selection_lengths(lens, batch["num_chunks"] * CHUNK, keep_recent)
-  x_p = model.embed(prompt)
-  x_f = x_s = model.embed(cont)
-  for li, layer in enumerate(model.layers):
-    attn = layer.self_attn
-    q_p, k_p, v_p = attn.qkv(layer.input_layernorm(x_p), pos_p, rope)
-    idx = jax.lax.stop_gradient(select_budget_chunks(k_p, lens, max_budget, keep_recent, batch["num_chunks"]))
-    kept = chunk_key_mask(idx, sel_len, CHUNK, p)  # [B, Hkv, P]
-    sparse_vis = jnp.concatenate([jnp.broadcast_to(kept[:, :, None], (b, kept.shape[1], c, p)),
-                                  jnp.broadcast_to(causal[None, None], (b, kept.shape[1], c, c))], axis=-1)
-    branches = []
-    for x_c, vis in ((x_f, full_vis), (x_s, sparse_vis)):
-      q_c, k_c, v_c = attn.qkv(layer.input_layernorm(x_c), pos_c, rope)
-      k = jnp.concatenate([k_p, k_c], axis=1)
-      v = jnp.concatenate([v_p, v_c], axis=1)
-      x_c = x_c + attn.out(dense_masked_attention(q_c, k, v, vis))
-      branches.append(x_c + layer.mlp(layer.post_attention_layernorm(x_c)))
-    x_f, x_s = branches
-    if li + 1 < len(model.layers):  # the last layer's prompt outputs feed nothing
-      x_p = x_p + attn.out(causal_attention(q_p, k_p, v_p, block=model.attn_block))
-      x_p = x_p + layer.mlp(layer.post_attention_layernorm(x_p))
-  return model.logits_from_hidden(model.norm(x_f)), model.logits_from_hidden(model.norm(x_s))
 
 
 def multiview_loss(model: Transformer, batch: dict, cfg: BudgetTrainConfig) -> tuple[jax.Array, dict]:

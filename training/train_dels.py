@@ -38,7 +38,8 @@ from longspec_jax.training.drafter_common import (block_loss, check_token_ids, k
                                                   load_data_dirs, make_tap_fn, pad_token, soft_label_stats,
                                                   split_indices, store_head, store_record, store_target,
                                                   train_to_export, trained_head, write_drafter_json)
-from longspec_jax.training.train_dflash import BlockSampler, batch_logits, dflash_store_sampler, dflash_train_logits
+from longspec_jax.drafters.dflash import dflash_train_logits, train_batch_logits
+from longspec_jax.training.train_dflash import BlockSampler, dflash_store_sampler
 from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
 
 if TYPE_CHECKING:
@@ -347,20 +348,21 @@ def store_base(base_dir: Path, target: Transformer, store: DistillStore, val_w: 
   """DFlash or LongSpark (by the base's architecture) on the held-out windows `val_w`, drawn the way that drafter's
   own store evaluation draws them (evaluate_dflash_on_store / evaluate_longspark_on_store), cfg.val_anchors each."""
   from longspec_jax.drafters.longspark import load_longspark_model
+  from longspec_jax.drafters.longspark import train_batch_logits as longspark_batch_logits
   from longspec_jax.training import train_longspark
   size = trained_draft_vocab(base_dir)
   ids = read_draft_vocab(base_dir, size) if size else None
   if base_is_longspark(base_dir):
     model = load_longspark_model(base_dir)
     sampler = train_longspark.store_eval_sampler(model, store, val_w, cfg.seed + 1, cfg.val_anchors)
-    return StoreBase(model, sampler, train_longspark.batch_logits,
+    return StoreBase(model, sampler, longspark_batch_logits,
                      trained_head(target_io(target, final_norm=True), base_dir), model.cfg.block_size, ids)
   model = load_dflash_model(base_dir)
   model.cfg.check_target(target.cfg)
   sampler = dflash_store_sampler(store, val_w, model.cfg.taps, model.cfg.block_size, cfg.seed + 1, cfg.context_len,
                                  cfg.val_anchors, pad_token(target.cfg))
-  return StoreBase(model, sampler, batch_logits, trained_head(target_io(target), base_dir), model.cfg.block_size - 1,
-                   ids)
+  return StoreBase(model, sampler, train_batch_logits, trained_head(target_io(target), base_dir),
+                   model.cfg.block_size - 1, ids)
 
 
 def _store_head_factors(cfg: DeLSTrainConfig, store, target, train_w, num_slots: int, draft_ids, log_prior,

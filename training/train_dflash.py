@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.attention import dense_masked_attention
-from longspec_jax.drafters.dflash import DFlashModel, create_dflash, dflash_config_for, save_dflash_dir
-from longspec_jax.drafters.frozen_target import embed_tokens, head_logits, target_io
+from longspec_jax.drafters.dflash import (DFlashModel, create_dflash, dflash_config_for, dflash_train_logits,
+                                         save_dflash_dir, train_batch_logits)
+from longspec_jax.drafters.frozen_target import target_io
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
 from longspec_jax.training.drafter_data import target_name, weights_sha256
@@ -146,61 +146,8 @@ class BlockSampler:
             "row": self.row_ids[picks], "start": offs}
 
 
-def dflash_train_logits(model: DFlashModel, io: dict, taps: jax.Array, tokens: jax.Array, anchors: jax.Array,
-                        tap_scale: jax.Array | None = None) -> jax.Array:
-  """Logits [B, A, B_s-1, V] of every anchor's block in one pass: queries of anchor a see context rows < a and
-  their own block (bidirectional). tap_scale [n, H]: multiplies the taps (see normalize_taps)."""
-  ck, cv = train_context_kv(model, taps, tap_scale)
-  return train_block_logits(model, io, ck, cv, tokens, anchors)
-
-
-def train_context_kv(model: DFlashModel, taps: jax.Array,
-                     tap_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """Context keys / values [L_d, B, C, Hkv, D] of a window's rows (at positions 0..C-1) from its taps."""
-  b, c = taps.shape[:2]
-  if tap_scale is not None:
-    taps = taps * tap_scale.astype(taps.dtype)
-  return model.context_kv(model.context(taps), jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)))
-
-
-def train_block_logits(model: DFlashModel, io: dict, ck: jax.Array, cv: jax.Array, tokens: jax.Array,
-                       anchors: jax.Array, context_kept: Callable[[int], jax.Array] | None = None) -> jax.Array:
-  """Block logits [B, A, B_s-1, V] of every anchor over the context K/V ck / cv [L_d, B, C, Hkv, D]: anchor a's
-  queries see context rows < a and their own block. context_kept(layer) -> [B, Hkv, C] bool, when given, further
-  limits the context rows each KV head of that layer sees (BudgetDraft's sparse view)."""
-  cfg = model.cfg
-  b, c = tokens.shape
-  a, bs = anchors.shape[1], cfg.block_size
-  anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
-  blk = jnp.concatenate([anchor_tok[..., None], jnp.full((b, a, bs - 1), cfg.mask_token_id, jnp.int32)], -1)
-  pos = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, a * bs)
-  q_anchor = jnp.repeat(anchors, bs, axis=1)  # [B, A*B_s]
-  group = jnp.repeat(jnp.arange(a), bs)
-  before = jnp.arange(c)[None, None, :] < q_anchor[:, :, None]  # [B, A*B_s, C]
-  own_block = jnp.broadcast_to(group[:, None] == group[None, :], (b, a * bs, a * bs))
-  visible = jnp.concatenate([before, own_block], axis=-1)
-
-  def attend(li, q, k, v):
-    mask = visible
-    if context_kept is not None:
-      ctx = before[:, None] & context_kept(li)[:, :, None]  # [B, Hkv, A*B_s, C]
-      mask = jnp.concatenate([ctx, jnp.broadcast_to(own_block[:, None], (b, ctx.shape[1]) + own_block.shape[1:])],
-                             axis=-1)
-    return dense_masked_attention(q, jnp.concatenate([ck[li].astype(k.dtype), k], 1),
-                                  jnp.concatenate([cv[li].astype(v.dtype), v], 1), mask)
-
-  h = model.block_hidden(embed_tokens(io, blk.reshape(b, a * bs), model.dtype), pos, attend)
-  return head_logits(io, h.reshape(b, a, bs, -1)[:, :, 1:])
-
-
-def batch_logits(model: DFlashModel, batch: dict) -> jax.Array:
-  """Block logits of a training batch (the tap scale applied when present)."""
-  return dflash_train_logits(model, batch["io"], batch["taps"], batch["tokens"], batch["anchors"],
-                             batch.get("tap_scale"))
-
-
 def dflash_loss(model: DFlashModel, batch: dict, distill: str = "") -> tuple[jax.Array, dict]:
-  return block_loss(batch_logits(model, batch), batch, distill)
+  return block_loss(train_batch_logits(model, batch), batch, distill)
 
 
 def _load_rows(cfg: DFlashTrainConfig):
@@ -463,7 +410,7 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
   def loss_fn(p, batch):
     return dflash_loss(nnx.merge(graphdef, p), batch, kind)
 
-  stats = block_stats_fn(lambda p, batch: batch_logits(nnx.merge(graphdef, p), batch), kind)
+  stats = block_stats_fn(lambda p, batch: train_batch_logits(nnx.merge(graphdef, p), batch), kind)
   evaluate = store_evaluator(lambda p, b: stats(p, {**cast(b), **local_extra}), val_sampler, cfg.batch_size,
                              cfg.val_windows)
   t0 = time.time()
@@ -520,5 +467,5 @@ def evaluate_dflash_on_store(drafter_dir: str | Path, target: Transformer, store
                                  anchors_per_window, pad_token(target.cfg))
   extra = trained_head(target_io(target), drafter_dir)
   graphdef, params = nnx.split(model)
-  stats = block_stats_fn(lambda p, batch: batch_logits(nnx.merge(graphdef, p), batch), "kl")
+  stats = block_stats_fn(lambda p, batch: train_batch_logits(nnx.merge(graphdef, p), batch), "kl")
   return store_evaluator(lambda p, b: stats(p, {**b, **extra}), sampler, batch_size, draws)(params)

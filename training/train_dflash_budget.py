@@ -30,17 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.drafters.budget import CHUNK, select_budget_chunks, selection_lengths
+from longspec_jax.drafters.budget import CHUNK, dflash_multiview_logits
 from longspec_jax.drafters.dflash import DFlashModel, load_dflash_model, save_dflash_dir
 from longspec_jax.drafters.frozen_target import DRAFT_VOCAB_FILE, target_io
 from longspec_jax.model import param_count
-from longspec_jax.pallas_kernels.length_masked_attention.reference import chunk_key_mask
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, last_logged, pad_token,
                                                   store_evaluator, store_record, store_target, train_to_export,
                                                   trained_head, write_drafter_json)
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.train_budget import check_budget_draw, multiview_record
-from longspec_jax.training.train_dflash import StoreBlockSampler, train_block_logits, train_context_kv
+from longspec_jax.training.train_dflash import StoreBlockSampler
 from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
 
 
@@ -105,25 +104,8 @@ class PromptSplitSampler(StoreBlockSampler):
     return anchors, {"prompt_lens": prompt, "num_chunks": np.full(len(prompt), budget // CHUNK, np.int32)}
 
 
-def multiview_logits(model: DFlashModel, batch: dict, max_budget: int,
-                     keep_recent: bool) -> tuple[jax.Array, jax.Array]:
-  """(full-branch, sparse-branch) block logits, each [B, A, B_s-1, V]."""
-  ck, cv = train_context_kv(model, batch["taps"])
-  c = batch["tokens"].shape[1]
-  lens = batch["prompt_lens"]
-  sel_len = selection_lengths(lens, batch["num_chunks"] * CHUNK, keep_recent)
-  after_prompt = jnp.arange(c)[None, None, :] >= lens[:, None, None]  # [B, 1, C]
-
-  def kept(li):
-    idx = jax.lax.stop_gradient(select_budget_chunks(ck[li], lens, max_budget, keep_recent, batch["num_chunks"]))
-    return chunk_key_mask(idx, sel_len, CHUNK, c) | after_prompt
-
-  args = (model, batch["io"], ck, cv, batch["tokens"], batch["anchors"])
-  return train_block_logits(*args), train_block_logits(*args, context_kept=kept)
-
-
 def multiview_loss(model: DFlashModel, batch: dict, cfg: DFlashBudgetTrainConfig) -> tuple[jax.Array, dict]:
-  full_logits, sparse_logits = multiview_logits(model, batch, cfg.max_budget, cfg.keep_recent)
+  full_logits, sparse_logits = dflash_multiview_logits(model, batch, cfg.max_budget, cfg.keep_recent)
   full, aux = block_loss(full_logits, batch, cfg.distill)
   sparse, _ = block_loss(sparse_logits, batch, cfg.distill)
   return full + cfg.sparse_weight * sparse, {"full_loss": full, "sparse_loss": sparse, **aux,
@@ -134,7 +116,7 @@ def held_out_evaluator(graphdef: nnx.GraphDef, samplers: dict, extra: dict, cfg:
                        dtype: jax.typing.DTypeLike) -> Callable[[Any], dict]:
   """evaluate(params) -> {branch: {val_tau_sim, val_acc_j...}} for the full branch and the sparse branch at every
   budget; each branch's stats are compiled, and its held-out batches read, once."""
-  stats_of = {i: block_stats_fn(lambda p, b, i=i: multiview_logits(nnx.merge(graphdef, p), b, cfg.max_budget,
+  stats_of = {i: block_stats_fn(lambda p, b, i=i: dflash_multiview_logits(nnx.merge(graphdef, p), b, cfg.max_budget,
                                                                     cfg.keep_recent)[i], "kl") for i in (0, 1)}
   evaluators = {}
   for name, (sampler, branch) in samplers.items():

@@ -23,11 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.attention import NEG_INF
 from longspec_jax.drafters.eagle3 import (Eagle3Net, create_eagle3_net, default_aux_layers, drafter_config,
-                                          save_eagle3)
+                                          save_eagle3, shifted_rows, ttt_forward)
 from longspec_jax.model import param_count
-from longspec_jax.rope import rope_frequencies
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
 from longspec_jax.training.drafter_common import (data_target, draft_vocab_from_counts, draw_windows, last_logged,
@@ -106,59 +104,6 @@ class Windows:
     return {"tokens": toks, "valid": valid, "row": self.row_ids[picks], "start": offs}
 
 
-def _ttt_attention(q, k0, v0, diag_k, diag_v):
-  """q [B, T, Hq, D]; step-0 keys/values k0/v0 [B, T, Hkv, D] seen causally; diag_k/v: lists of [B, T, Hkv, D]
-  keys/values each seen only by the query of the same row."""
-  b, t, hq, d = q.shape
-  hkv = k0.shape[2]
-  qg = q.reshape(b, t, hkv, hq // hkv, d)
-  scale = d ** -0.5
-  s = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
-  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, NEG_INF)
-  sd = [jnp.einsum("btkgd,btkd->bkgt", qg, k, preferred_element_type=jnp.float32)[..., None] * scale
-        for k in diag_k]
-  p = jax.nn.softmax(jnp.concatenate([s, *sd], axis=-1), axis=-1)
-  o = jnp.einsum("bkgts,bskd->btkgd", p[..., :t].astype(v0.dtype), v0, preferred_element_type=jnp.float32)
-  for i, v in enumerate(diag_v):
-    o = o + jnp.einsum("bkgt,btkd->btkgd", p[..., t + i].astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return o.reshape(b, t, hq, d).astype(q.dtype)
-
-
-def _shifted(rows, shift: int, pad_id: int):
-  """rows[:, shift:] ([B, W, ...]) right-padded with pad_id back to the same width."""
-  pad = jnp.full((rows.shape[0], shift) + rows.shape[2:], pad_id, rows.dtype)
-  return jnp.concatenate([rows[:, shift:], pad], axis=1)
-
-
-def ttt_forward(net: Eagle3Net, embed: jax.Array, tokens: jax.Array, taps: jax.Array, num_steps: int,
-                pad_id: int = 0) -> list[tuple[jax.Array, jax.Array]]:
-  """The unrolled TTT pass. tokens [B, W], taps [B, W, n_aux, H_t] (the target at every position), embed the
-  target's [V, H] table. Returns a list over steps of (output hidden [B, W-1, H], targets [B, W-1]); row p of
-  step j predicts targets[:, p] = x_{p+2+j}."""
-  b, w = tokens.shape
-  r = w - 1
-  dtype = taps.dtype
-  pos = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (b, r))
-  rope = rope_frequencies(net.cfg, r + num_steps)
-  layer = net.midlayer
-  feat = net.feature(taps[:, :r])
-  k0 = v0 = None
-  diag_k, diag_v, out = [], [], []
-  for j in range(num_steps):
-    toks = _shifted(tokens, 1 + j, pad_id)[:, :r]
-    x, residual = layer.inputs(embed[toks].astype(dtype), feat)
-    q, k, v = layer.self_attn.qkv(x, pos + j, rope)
-    if j == 0:
-      k0, v0 = k, v
-    else:
-      diag_k.append(k)
-      diag_v.append(v)
-    h = layer.out(residual, _ttt_attention(q, k0, v0, diag_k, diag_v))
-    out.append((h, _shifted(tokens, 2 + j, pad_id)[:, :r]))
-    feat = h
-  return out
-
-
 def _head_stats(net: Eagle3Net, h, targets, weights, t2d):
   """(summed CE, summed top-1 hits) of one step; t2d [V]: target id -> draft id (-1: not in the draft vocab)."""
   draft = t2d[targets]
@@ -199,7 +144,7 @@ def ttt_stats(net: Eagle3Net, frozen: dict, batch: dict, num_steps: int, aux_lay
   for j, (h, tgt) in enumerate(ttt_forward(net, embed, tokens, taps, num_steps, pad_id)):
     w = (jnp.arange(r)[None, :] + 2 + j < valid[:, None]).astype(jnp.float32)
     if distill:
-      ids, logprobs = (_shifted(batch[k], 1 + j, 0)[:, :r] for k in ("topk_ids", "topk_logprobs"))
+      ids, logprobs = (shifted_rows(batch[k], 1 + j, 0)[:, :r] for k in ("topk_ids", "topk_logprobs"))
       c, n_hit = _distill_stats(net, h, ids, logprobs, w, frozen["t2d"], distill)
     else:
       c, n_hit = _head_stats(net, h, tgt, w, frozen["t2d"])

@@ -29,14 +29,12 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import sharding as shd
-from longspec_jax.attention import dense_masked_attention
-from longspec_jax.drafters.frozen_target import apply_final_norm, head_logits, target_io
+from longspec_jax.drafters.frozen_target import target_io
 from longspec_jax.drafters.longspark import (LongSparkConfig, LongSparkModel, create_longspark, longspark_config_for,
-                                             merge_rows, save_longspark_dir)
+                                             longspark_train_logits, save_longspark_dir, train_batch_logits,
+                                             window_summaries)
 from longspec_jax.hf_io import load_model_dir
 from longspec_jax.model import param_count
-from longspec_jax.rope import apply_rope, rope_frequencies
-from longspec_jax.pallas_kernels.length_masked_attention import merge_attention_views
 from longspec_jax.training.distill_store import decode_on_device
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.feature_cache import FeatureCache, build_feature_cache
@@ -81,7 +79,7 @@ class LongSparkTrainConfig(StoreRunConfig):
   val_windows: int = 8  # whole windows of the first data dir held out
   max_windows: tuple[int, ...] = ()  # per data dir: use only its first N rows (0 or absent = all; bounds the cache)
   compute_dtype: str = "bfloat16"
-  # >0: half the windows are moved to a random start in [0, position_shift_max - length] (see _shift_window).
+  # >0: half the windows are moved to a random start in [0, position_shift_max - length] (see shift_window).
   position_shift_max: int = 0
   # With store_dir (StoreRunConfig; the drafter's layers in the store's --kv-layers, their outputs in --taps),
   # it trains, instead of data_dirs, on windows of the corpus text (and the target's own continuations), every window
@@ -114,104 +112,11 @@ class LongSparkTrainConfig(StoreRunConfig):
 
 # ---------------------------------------------------------------- the training forward (shared with the tests)
 
-def anchor_summaries(model: LongSparkModel, pre_k: jax.Array, pre_v: jax.Array, pre_len: jax.Array,
-                     slab_k: jax.Array, slab_v: jax.Array, slab_pos: jax.Array, anchors: jax.Array) -> jax.Array:
-  """Global slot summaries of rows < anchor, per anchor: g_out [B, A, L, Hkv, g, G, D] fp32.
-
-  pre_k/v [L, B, Cp, Hkv, D]: window rows 0..Cp-1, of which rows < pre_len [B] are summarised once for all anchors;
-  slab_k/v [L, B, S, Hkv, D] at absolute positions slab_pos [B, S] (-1 = none): each anchor merges its rows in
-  [pre_len, a)."""
-  a = model.cfg.arch
-  b, n = pre_k.shape[1], pre_k.shape[0]
-  shape = (b, n, a.num_key_value_heads, a.q_per_kv, model.cfg.num_global_slots)
-  empty = (jnp.zeros(shape + (a.head_dim,), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
-  pre_valid = (jnp.arange(pre_k.shape[2])[None, :] < pre_len[:, None])[:, None, None, None, :]
-  out, lse = merge_rows(*empty, model.slot_scores(pre_k), pre_v.transpose(1, 0, 3, 2, 4)[:, :, :, None], pre_valid)
-  tail = (slab_pos[:, None, :] >= pre_len[:, None, None]) & (slab_pos[:, None, :] < anchors[:, :, None])  # [B,A,S]
-  out, _ = merge_rows(out[:, None], lse[:, None], model.slot_scores(slab_k)[:, None],
-                      slab_v.transpose(1, 0, 3, 2, 4)[:, None, :, :, None], tail[:, :, None, None, None, :])
-  return out
-
-
-def longspark_train_logits(model: LongSparkModel, io: dict, boundary: jax.Array, anchors: jax.Array,
-                           g_out: jax.Array, slab_k: jax.Array, slab_v: jax.Array, slab_pos: jax.Array,
-                           prev: jax.Array, shift: jax.Array | None = None) -> jax.Array:
-  """Logits [B, A, B_s, V] (Markov term included, teacher-forced on prev [B, A, B_s]; prev[..., 0] is the block's
-  pending token x_a) of every anchor's block. boundary [B, A, L, H]: the selected layers' outputs at row a-1;
-  g_out from `anchor_summaries`; slab as there. shift [B]: RoPE positions of the block are anchors + shift (the
-  target keys must have been rotated by the same shift, `_shift_window`)."""
-  cfg = model.cfg
-  a_cfg = cfg.arch
-  b, na = anchors.shape
-  bs, hq, d, gs = cfg.block_size, a_cfg.num_attention_heads, a_cfg.head_dim, cfg.num_global_slots
-  x = model.block_input(io, prev[..., 0], boundary).reshape(b, na * bs, -1)
-  pos = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, na * bs)
-  if shift is not None:
-    pos = pos + shift[:, None]
-  q_anchor = jnp.repeat(anchors, bs, axis=1)
-  sp = slab_pos[:, None, :]
-  raw_visible = (sp >= 0) & (sp < q_anchor[:, :, None]) & (sp >= q_anchor[:, :, None] - cfg.raw_window)
-  group = jnp.repeat(jnp.arange(na), bs)
-  local_visible = jnp.broadcast_to(group[:, None] == group[None, :], (b, na * bs, na * bs))
-  g_vals = g_out.reshape(b, na, -1, hq, gs, d)  # [B, A, L, Hq, G, D]
-
-  def attend(li, q, k, v):
-    qa = q.reshape(b, na, bs, hq, d)
-    lg = jnp.einsum("bajhd,hsd->bajhs", qa, model.learned_query[...][li].astype(q.dtype),
-                    preferred_element_type=jnp.float32) * d ** -0.5
-    l_g = jax.nn.logsumexp(lg, axis=-1)
-    o_g = jnp.einsum("bajhs,bahsd->bajhd", jnp.exp(lg - l_g[..., None]), g_vals[:, :, li])
-    o_r, l_r = dense_masked_attention(q, slab_k[li].astype(q.dtype), slab_v[li].astype(q.dtype), raw_visible,
-                                      return_lse=True)
-    o_b, l_b = dense_masked_attention(q, k, v, local_visible, return_lse=True)
-    o_g = o_g.reshape(b, na * bs, hq, d).astype(q.dtype)
-    return merge_attention_views([o_g, o_r, o_b], [l_g.reshape(b, na * bs, hq), l_r, l_b])[0]
-
-  h = model.block_hidden(x, pos, attend)
-  logits = head_logits(io, apply_final_norm(io, h)).reshape(b, na, bs, -1)
-  return logits + model.markov_bias(prev)
-
-
-def _summaries(model, batch):
-  # The slab's first W rows lie before pre_len (see AnchorSampler): only the rows after them can enter the Global
-  # summaries of the anchors, so the per-anchor merge skips them.
-  w = model.cfg.raw_window
-  return anchor_summaries(model, batch["pre_k"], batch["pre_v"], batch["pre_len"], batch["slab_k"][:, :, w:],
-                          batch["slab_v"][:, :, w:], batch["slab_pos"][:, w:], batch["anchors"])
-
-
-def _shift_window(model, batch):
-  """Moves every window to positions + shift [B]. The target's only position signal is RoPE, so the same text at
-  later positions has the same hidden states and its keys rotated by R(shift) (RoPE rotations compose): this
-  shows the drafter its one absolute-position-dependent score, block query . Global key (no RoPE on the keys), at
-  positions beyond the window lengths, without long target forwards."""
-  inv_freq, _ = rope_frequencies(model.cfg.arch, jnp.max(batch["shift"]))
-
-  def rotate(k):  # [L, B, R, Hkv, D]
-    n, b, r = k.shape[:3]
-    flat = k.transpose(1, 0, 2, 3, 4).reshape(b, n * r, *k.shape[3:])
-    pos = jnp.broadcast_to(batch["shift"][:, None], (b, n * r))
-    return apply_rope(flat.astype(jnp.float32), pos, inv_freq, 1.0).reshape(b, n, r, *k.shape[3:]).transpose(
-        1, 0, 2, 3, 4)
-  return dict(batch, pre_k=rotate(batch["pre_k"]), slab_k=rotate(batch["slab_k"]))
-
-
 def boundary_scale(samplers: Sequence[AnchorSampler], batch_size: int, num_batches: int = 8) -> np.ndarray:
   """[L, H] float32: 1 / median |boundary tap| per (layer, dimension) over batches no training step draws."""
   taps = [samplers[i % len(samplers)].batch(10**12 + i, batch_size)["boundary"] for i in range(num_batches)]
   taps = [np.abs(t).reshape(-1, *t.shape[-2:]) for t in taps]  # [B, A, L, H] -> [rows, L, H]
   return inverse_median_scale(taps)
-
-
-def batch_logits(model: LongSparkModel, batch: dict) -> jax.Array:
-  """Block logits [B, A, B_s, V] of a training batch (position shift and boundary scale applied when present)."""
-  if "shift" in batch:
-    batch = _shift_window(model, batch)
-  boundary = batch["boundary"]
-  if "boundary_scale" in batch:
-    boundary = boundary * batch["boundary_scale"]
-  return longspark_train_logits(model, batch["io"], boundary, batch["anchors"], _summaries(model, batch),
-                                batch["slab_k"], batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))
 
 
 def decode_kv_batch(batch: dict, feature_dtype: str) -> dict:
@@ -231,7 +136,7 @@ def decode_kv_batch(batch: dict, feature_dtype: str) -> dict:
 def longspark_loss(model: LongSparkModel, batch: dict, distill: str = "") -> tuple[jax.Array, dict]:
   """Training loss: CE on the data's next tokens, or with `distill` the loss of that kind against the store's
   soft labels (slot weights in label_w)."""
-  return block_loss(batch_logits(model, batch), batch, distill)
+  return block_loss(train_batch_logits(model, batch), batch, distill)
 
 
 def drafter_config(cfg: LongSparkTrainConfig, target_cfg: ModelConfig) -> LongSparkConfig:
@@ -484,7 +389,7 @@ def train_longspark(cfg: LongSparkTrainConfig, resume: bool = True) -> Path:
 
 
 def store_stats_fn(graphdef: nnx.GraphDef, kind: str) -> Callable[[Any, dict], tuple[jax.Array, jax.Array, jax.Array]]:
-  return block_stats_fn(lambda params, batch: batch_logits(nnx.merge(graphdef, params), batch), kind)
+  return block_stats_fn(lambda params, batch: train_batch_logits(nnx.merge(graphdef, params), batch), kind)
 
 
 def store_eval_sampler(model: LongSparkModel, store: DistillStore, windows: np.ndarray, seed: int,
@@ -616,7 +521,7 @@ def validation_metrics(model: LongSparkModel, target: Transformer, sampler: Anch
   @jax.jit
   def stats(params, batch):
     m = nnx.merge(graphdef, params)
-    g_out = _summaries(m, batch)
+    g_out = window_summaries(m, batch)
     logits = longspark_train_logits(m, io, batch["boundary"], batch["anchors"], g_out, batch["slab_k"],
                                     batch["slab_v"], batch["slab_pos"], batch["prev"])
     ce, n = cross_entropy(logits, batch["labels"], batch["label_w"])

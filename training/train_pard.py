@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax.config import ModelConfig
-from longspec_jax.kv_cache import KVCache
+from longspec_jax.drafters.pard import pard_forward
 from longspec_jax.model import Transformer, create_model, default_target_config, param_count
 from longspec_jax.training.drafter_common import (data_target, draw_windows, last_logged, pad_token, split_rows,
                                                    train_to_export, write_drafter_json)
@@ -119,21 +119,6 @@ class WindowSampler:
     mask_w = (tgt_pos < valid[:, None, None]).astype(np.float32)
     return {"tokens": toks[:, :c + 1], "ntp_w": ntp_w, "anchors": anchors, "mask_tgt": mask_tgt,
             "mask_w": mask_w}
-
-
-def pard_forward(model: Transformer, batch: dict, num_masks: int, mask_id: int) -> tuple[jax.Array, jax.Array]:
-  """(next-token logits [B, C, V], mask logits [B, A, K-1, V]) for a batch from WindowSampler."""
-  toks, anchors = batch["tokens"], batch["anchors"]
-  b, c = toks.shape[0], toks.shape[1] - 1
-  a = anchors.shape[1]
-  cache = model.init_cache(b, c + num_masks)
-  out = model(toks[:, :c], cache=cache, mode="prefill")
-  # One cache copy per anchor; its length a+1 hides every key after the anchor.
-  rep = lambda bufs: tuple(jnp.repeat(x, a, axis=0) for x in bufs)
-  group_cache = KVCache(k=rep(out.cache.k), v=rep(out.cache.v), lengths=(anchors + 1).reshape(b * a))
-  masks = jnp.full((b * a, num_masks), mask_id, jnp.int32)
-  mask_logits = model(masks, cache=group_cache, mode="extend").logits
-  return out.logits, mask_logits.reshape(b, a, num_masks, -1)
 
 
 def pard_loss(model: Transformer, batch: dict, num_masks: int, mask_id: int,

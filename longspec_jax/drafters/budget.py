@@ -34,14 +34,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from longspec_jax.attention import dense_masked_attention
+from longspec_jax.attention import causal_attention, dense_masked_attention
 from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
-from longspec_jax.drafters.dflash import DFlashDrafter
+from longspec_jax.drafters.dflash import DFlashDrafter, DFlashModel, train_block_logits, train_context_kv
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.drafters.pard import pick_token
 from longspec_jax.rope import rope_frequencies
 from longspec_jax.pallas_kernels.length_masked_attention import (length_masked_attention, merge_attention_views,
                                                                  select_chunks)
+from longspec_jax.pallas_kernels.length_masked_attention.reference import chunk_key_mask
 from longspec_jax.pallas_kernels.sparse_kv_gather import chunk_positions, gather_kv_chunks
 
 if TYPE_CHECKING:
@@ -326,3 +327,62 @@ def load_dflash_budget(drafter_dir: str | os.PathLike, target: Transformer, budg
   spec = DFlashBudgetDrafter(graphdef=loaded.spec.graphdef, cfg=loaded.spec.cfg, budget=budget,
                              keep_recent=trained_keep_recent(drafter_dir))
   return dataclasses.replace(loaded, spec=spec)
+
+
+# ---------------------------------------------------------------- the training-time forward (trainers and tests)
+
+def multiview_forward(model: Transformer, batch: dict, max_budget: int,
+                      keep_recent: bool) -> tuple[jax.Array, jax.Array]:
+  """(full-branch logits, sparse-branch logits), each [B, C, V] at the continuation rows."""
+  cfg = model.cfg
+  prompt, lens, cont = batch["prompt"], batch["prompt_lens"], batch["cont"]
+  b, p = prompt.shape
+  c = cont.shape[1]
+  pos_p = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
+  pos_c = lens[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
+  rope = rope_frequencies(cfg, jnp.max(pos_c))
+  causal = jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]  # [C, C]
+  prompt_valid = jnp.arange(p)[None, :] < lens[:, None]  # [B, P]
+  full_vis = jnp.concatenate([jnp.broadcast_to(prompt_valid[:, None], (b, c, p)),
+                              jnp.broadcast_to(causal[None], (b, c, c))], axis=-1)  # [B, C, P + C]
+  sel_len = selection_lengths(lens, batch["num_chunks"] * CHUNK, keep_recent)
+  x_p = model.embed(prompt)
+  x_f = x_s = model.embed(cont)
+  for li, layer in enumerate(model.layers):
+    attn = layer.self_attn
+    q_p, k_p, v_p = attn.qkv(layer.input_layernorm(x_p), pos_p, rope)
+    idx = jax.lax.stop_gradient(select_budget_chunks(k_p, lens, max_budget, keep_recent, batch["num_chunks"]))
+    kept = chunk_key_mask(idx, sel_len, CHUNK, p)  # [B, Hkv, P]
+    sparse_vis = jnp.concatenate([jnp.broadcast_to(kept[:, :, None], (b, kept.shape[1], c, p)),
+                                  jnp.broadcast_to(causal[None, None], (b, kept.shape[1], c, c))], axis=-1)
+    branches = []
+    for x_c, vis in ((x_f, full_vis), (x_s, sparse_vis)):
+      q_c, k_c, v_c = attn.qkv(layer.input_layernorm(x_c), pos_c, rope)
+      k = jnp.concatenate([k_p, k_c], axis=1)
+      v = jnp.concatenate([v_p, v_c], axis=1)
+      x_c = x_c + attn.out(dense_masked_attention(q_c, k, v, vis))
+      branches.append(x_c + layer.mlp(layer.post_attention_layernorm(x_c)))
+    x_f, x_s = branches
+    if li + 1 < len(model.layers):  # the last layer's prompt outputs feed nothing
+      x_p = x_p + attn.out(causal_attention(q_p, k_p, v_p, block=model.attn_block))
+      x_p = x_p + layer.mlp(layer.post_attention_layernorm(x_p))
+  return model.logits_from_hidden(model.norm(x_f)), model.logits_from_hidden(model.norm(x_s))
+
+
+# DFlash over the budget view: both branches' block logits in training
+
+def dflash_multiview_logits(model: DFlashModel, batch: dict, max_budget: int,
+                     keep_recent: bool) -> tuple[jax.Array, jax.Array]:
+  """(full-branch, sparse-branch) block logits, each [B, A, B_s-1, V]."""
+  ck, cv = train_context_kv(model, batch["taps"])
+  c = batch["tokens"].shape[1]
+  lens = batch["prompt_lens"]
+  sel_len = selection_lengths(lens, batch["num_chunks"] * CHUNK, keep_recent)
+  after_prompt = jnp.arange(c)[None, None, :] >= lens[:, None, None]  # [B, 1, C]
+
+  def kept(li):
+    idx = jax.lax.stop_gradient(select_budget_chunks(ck[li], lens, max_budget, keep_recent, batch["num_chunks"]))
+    return chunk_key_mask(idx, sel_len, CHUNK, c) | after_prompt
+
+  args = (model, batch["io"], ck, cv, batch["tokens"], batch["anchors"])
+  return train_block_logits(*args), train_block_logits(*args, context_kept=kept)

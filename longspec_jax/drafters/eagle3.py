@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.attention import causal_attention, extend_attention
+from longspec_jax.attention import NEG_INF, causal_attention, extend_attention
 from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
 from longspec_jax.drafters.registry import DrafterEntry
@@ -406,3 +406,58 @@ def load_eagle3(drafter_dir: str | os.PathLike, target: Transformer,
   net = empty_model(lambda: create_eagle3_net(cfg, tcfg, aux, draft_vocab, qk_norm))
   load_params_into(net, tensors, where=f" {drafter_dir}", prefix="")
   return eagle3_from_net(net, target, aux, d2t, sharpdraft)
+
+
+# ---------------------------------------------------------------- the training-time forward (trainers and tests)
+
+def _ttt_attention(q, k0, v0, diag_k, diag_v):
+  """q [B, T, Hq, D]; step-0 keys/values k0/v0 [B, T, Hkv, D] seen causally; diag_k/v: lists of [B, T, Hkv, D]
+  keys/values each seen only by the query of the same row."""
+  b, t, hq, d = q.shape
+  hkv = k0.shape[2]
+  qg = q.reshape(b, t, hkv, hq // hkv, d)
+  scale = d ** -0.5
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, NEG_INF)
+  sd = [jnp.einsum("btkgd,btkd->bkgt", qg, k, preferred_element_type=jnp.float32)[..., None] * scale
+        for k in diag_k]
+  p = jax.nn.softmax(jnp.concatenate([s, *sd], axis=-1), axis=-1)
+  o = jnp.einsum("bkgts,bskd->btkgd", p[..., :t].astype(v0.dtype), v0, preferred_element_type=jnp.float32)
+  for i, v in enumerate(diag_v):
+    o = o + jnp.einsum("bkgt,btkd->btkgd", p[..., t + i].astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def shifted_rows(rows, shift: int, pad_id: int):
+  """rows[:, shift:] ([B, W, ...]) right-padded with pad_id back to the same width."""
+  pad = jnp.full((rows.shape[0], shift) + rows.shape[2:], pad_id, rows.dtype)
+  return jnp.concatenate([rows[:, shift:], pad], axis=1)
+
+
+def ttt_forward(net: Eagle3Net, embed: jax.Array, tokens: jax.Array, taps: jax.Array, num_steps: int,
+                pad_id: int = 0) -> list[tuple[jax.Array, jax.Array]]:
+  """The unrolled TTT pass. tokens [B, W], taps [B, W, n_aux, H_t] (the target at every position), embed the
+  target's [V, H] table. Returns a list over steps of (output hidden [B, W-1, H], targets [B, W-1]); row p of
+  step j predicts targets[:, p] = x_{p+2+j}."""
+  b, w = tokens.shape
+  r = w - 1
+  dtype = taps.dtype
+  pos = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (b, r))
+  rope = rope_frequencies(net.cfg, r + num_steps)
+  layer = net.midlayer
+  feat = net.feature(taps[:, :r])
+  k0 = v0 = None
+  diag_k, diag_v, out = [], [], []
+  for j in range(num_steps):
+    toks = shifted_rows(tokens, 1 + j, pad_id)[:, :r]
+    x, residual = layer.inputs(embed[toks].astype(dtype), feat)
+    q, k, v = layer.self_attn.qkv(x, pos + j, rope)
+    if j == 0:
+      k0, v0 = k, v
+    else:
+      diag_k.append(k)
+      diag_v.append(v)
+    h = layer.out(residual, _ttt_attention(q, k0, v0, diag_k, diag_v))
+    out.append((h, shifted_rows(tokens, 2 + j, pad_id)[:, :r]))
+    feat = h
+  return out

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from longspec_jax.attention import dense_masked_attention
 from longspec_jax.config import ModelConfig, read_config_json
 from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
 from longspec_jax.drafters.frozen_target import (apply_final_norm, check_block_drafter, check_reads_target,
@@ -42,7 +43,7 @@ from longspec_jax.drafters.frozen_target import (apply_final_norm, check_block_d
                                                  taps_of, with_draft_vocab)
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.model import DecoderLayer, Linear, RMSNorm
-from longspec_jax.rope import rope_frequencies
+from longspec_jax.rope import apply_rope, rope_frequencies
 from longspec_jax.sampling import processed_log_probs
 from longspec_jax.pallas_kernels.length_masked_attention import length_masked_attention, merge_attention_views
 
@@ -468,3 +469,98 @@ def load_longspark(drafter_dir: str | os.PathLike, target: Transformer,
   """A LongSpark drafter directory (our export or the public layout) for `target`; `draft_vocab` cuts its LM
   head to the checkpoint's most frequent tokens (frozen_target.with_draft_vocab)."""
   return with_draft_vocab(longspark_from_model(load_longspark_model(drafter_dir), target), drafter_dir, draft_vocab)
+
+
+# ---------------------------------------------------------------- the training-time forward (trainers and tests)
+
+def anchor_summaries(model: LongSparkModel, pre_k: jax.Array, pre_v: jax.Array, pre_len: jax.Array,
+                     slab_k: jax.Array, slab_v: jax.Array, slab_pos: jax.Array, anchors: jax.Array) -> jax.Array:
+  """Global slot summaries of rows < anchor, per anchor: g_out [B, A, L, Hkv, g, G, D] fp32.
+
+  pre_k/v [L, B, Cp, Hkv, D]: window rows 0..Cp-1, of which rows < pre_len [B] are summarised once for all anchors;
+  slab_k/v [L, B, S, Hkv, D] at absolute positions slab_pos [B, S] (-1 = none): each anchor merges its rows in
+  [pre_len, a)."""
+  a = model.cfg.arch
+  b, n = pre_k.shape[1], pre_k.shape[0]
+  shape = (b, n, a.num_key_value_heads, a.q_per_kv, model.cfg.num_global_slots)
+  empty = (jnp.zeros(shape + (a.head_dim,), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
+  pre_valid = (jnp.arange(pre_k.shape[2])[None, :] < pre_len[:, None])[:, None, None, None, :]
+  out, lse = merge_rows(*empty, model.slot_scores(pre_k), pre_v.transpose(1, 0, 3, 2, 4)[:, :, :, None], pre_valid)
+  tail = (slab_pos[:, None, :] >= pre_len[:, None, None]) & (slab_pos[:, None, :] < anchors[:, :, None])  # [B,A,S]
+  out, _ = merge_rows(out[:, None], lse[:, None], model.slot_scores(slab_k)[:, None],
+                      slab_v.transpose(1, 0, 3, 2, 4)[:, None, :, :, None], tail[:, :, None, None, None, :])
+  return out
+
+
+def longspark_train_logits(model: LongSparkModel, io: dict, boundary: jax.Array, anchors: jax.Array,
+                           g_out: jax.Array, slab_k: jax.Array, slab_v: jax.Array, slab_pos: jax.Array,
+                           prev: jax.Array, shift: jax.Array | None = None) -> jax.Array:
+  """Logits [B, A, B_s, V] (Markov term included, teacher-forced on prev [B, A, B_s]; prev[..., 0] is the block's
+  pending token x_a) of every anchor's block. boundary [B, A, L, H]: the selected layers' outputs at row a-1;
+  g_out from `anchor_summaries`; slab as there. shift [B]: RoPE positions of the block are anchors + shift (the
+  target keys must have been rotated by the same shift, `shift_window`)."""
+  cfg = model.cfg
+  a_cfg = cfg.arch
+  b, na = anchors.shape
+  bs, hq, d, gs = cfg.block_size, a_cfg.num_attention_heads, a_cfg.head_dim, cfg.num_global_slots
+  x = model.block_input(io, prev[..., 0], boundary).reshape(b, na * bs, -1)
+  pos = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, na * bs)
+  if shift is not None:
+    pos = pos + shift[:, None]
+  q_anchor = jnp.repeat(anchors, bs, axis=1)
+  sp = slab_pos[:, None, :]
+  raw_visible = (sp >= 0) & (sp < q_anchor[:, :, None]) & (sp >= q_anchor[:, :, None] - cfg.raw_window)
+  group = jnp.repeat(jnp.arange(na), bs)
+  local_visible = jnp.broadcast_to(group[:, None] == group[None, :], (b, na * bs, na * bs))
+  g_vals = g_out.reshape(b, na, -1, hq, gs, d)  # [B, A, L, Hq, G, D]
+
+  def attend(li, q, k, v):
+    qa = q.reshape(b, na, bs, hq, d)
+    lg = jnp.einsum("bajhd,hsd->bajhs", qa, model.learned_query[...][li].astype(q.dtype),
+                    preferred_element_type=jnp.float32) * d ** -0.5
+    l_g = jax.nn.logsumexp(lg, axis=-1)
+    o_g = jnp.einsum("bajhs,bahsd->bajhd", jnp.exp(lg - l_g[..., None]), g_vals[:, :, li])
+    o_r, l_r = dense_masked_attention(q, slab_k[li].astype(q.dtype), slab_v[li].astype(q.dtype), raw_visible,
+                                      return_lse=True)
+    o_b, l_b = dense_masked_attention(q, k, v, local_visible, return_lse=True)
+    o_g = o_g.reshape(b, na * bs, hq, d).astype(q.dtype)
+    return merge_attention_views([o_g, o_r, o_b], [l_g.reshape(b, na * bs, hq), l_r, l_b])[0]
+
+  h = model.block_hidden(x, pos, attend)
+  logits = head_logits(io, apply_final_norm(io, h)).reshape(b, na, bs, -1)
+  return logits + model.markov_bias(prev)
+
+
+def window_summaries(model, batch):
+  # The slab's first W rows lie before pre_len (see AnchorSampler): only the rows after them can enter the Global
+  # summaries of the anchors, so the per-anchor merge skips them.
+  w = model.cfg.raw_window
+  return anchor_summaries(model, batch["pre_k"], batch["pre_v"], batch["pre_len"], batch["slab_k"][:, :, w:],
+                          batch["slab_v"][:, :, w:], batch["slab_pos"][:, w:], batch["anchors"])
+
+
+def shift_window(model, batch):
+  """Moves every window to positions + shift [B]. The target's only position signal is RoPE, so the same text at
+  later positions has the same hidden states and its keys rotated by R(shift) (RoPE rotations compose): this
+  shows the drafter its one absolute-position-dependent score, block query . Global key (no RoPE on the keys), at
+  positions beyond the window lengths, without long target forwards."""
+  inv_freq, _ = rope_frequencies(model.cfg.arch, jnp.max(batch["shift"]))
+
+  def rotate(k):  # [L, B, R, Hkv, D]
+    n, b, r = k.shape[:3]
+    flat = k.transpose(1, 0, 2, 3, 4).reshape(b, n * r, *k.shape[3:])
+    pos = jnp.broadcast_to(batch["shift"][:, None], (b, n * r))
+    return apply_rope(flat.astype(jnp.float32), pos, inv_freq, 1.0).reshape(b, n, r, *k.shape[3:]).transpose(
+        1, 0, 2, 3, 4)
+  return dict(batch, pre_k=rotate(batch["pre_k"]), slab_k=rotate(batch["slab_k"]))
+
+
+def train_batch_logits(model: LongSparkModel, batch: dict) -> jax.Array:
+  """Block logits [B, A, B_s, V] of a training batch (position shift and boundary scale applied when present)."""
+  if "shift" in batch:
+    batch = shift_window(model, batch)
+  boundary = batch["boundary"]
+  if "boundary_scale" in batch:
+    boundary = boundary * batch["boundary_scale"]
+  return longspark_train_logits(model, batch["io"], boundary, batch["anchors"], window_summaries(model, batch),
+                                batch["slab_k"], batch["slab_v"], batch["slab_pos"], batch["prev"], batch.get("shift"))

@@ -22,6 +22,7 @@ from flax import nnx
 
 from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
 from longspec_jax.drafters.registry import DrafterEntry
+from longspec_jax.kv_cache import KVCache
 from longspec_jax.sampling import processed_log_probs
 from longspec_jax.sharpdraft import SharpDraft
 
@@ -158,3 +159,20 @@ def load_pard(drafter_dir: str | os.PathLike, target: Transformer,
               sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
   del target
   return load_standalone(drafter_dir, "pard", sharpdraft)
+
+
+# ---------------------------------------------------------------- the training-time forward (trainers and tests)
+
+def pard_forward(model: Transformer, batch: dict, num_masks: int, mask_id: int) -> tuple[jax.Array, jax.Array]:
+  """(next-token logits [B, C, V], mask logits [B, A, K-1, V]) for a batch from WindowSampler."""
+  toks, anchors = batch["tokens"], batch["anchors"]
+  b, c = toks.shape[0], toks.shape[1] - 1
+  a = anchors.shape[1]
+  cache = model.init_cache(b, c + num_masks)
+  out = model(toks[:, :c], cache=cache, mode="prefill")
+  # One cache copy per anchor; its length a+1 hides every key after the anchor.
+  rep = lambda bufs: tuple(jnp.repeat(x, a, axis=0) for x in bufs)
+  group_cache = KVCache(k=rep(out.cache.k), v=rep(out.cache.v), lengths=(anchors + 1).reshape(b * a))
+  masks = jnp.full((b * a, num_masks), mask_id, jnp.int32)
+  mask_logits = model(masks, cache=group_cache, mode="extend").logits
+  return out.logits, mask_logits.reshape(b, a, num_masks, -1)
