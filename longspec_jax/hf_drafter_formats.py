@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ _DFLASH_LAYER = re.compile(r"layers\.(\d+)\.(input_layernorm\.weight|post_attent
                            r"mlp\.(gate|up|down)_proj\.weight)")
 # Tensors a speculators checkpoint may hold that belong to the target (reloaded from it by speculators too).
 _TARGET_OWNED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+_CARRIED_FILES = ("drafter.json", "draft_vocab.json")  # our metadata, copied beside an export
 
 
 def detect_layout(cfg: dict) -> str | None:
@@ -271,7 +273,14 @@ def export_drafter(src_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathL
                        "vLLM loads) or speculators")
     if fmt == "speculators":
       cfg, tensors = _dflash_speculators(cfg, tensors, verifier)
-  return _write(out_dir, cfg, tensors, dtype)
+  out = _write(out_dir, cfg, tensors, dtype)
+  # Our own metadata rides along: drafter.json (provenance, and the draft vocabulary a block drafter was trained to
+  # draft over) with draft_vocab.json, so that the copy drafts here exactly as the source did. Other engines ignore
+  # both files and draft over the whole vocabulary (the output is the same, the acceptance may differ).
+  for name in _CARRIED_FILES:
+    if (src / name).is_file():
+      shutil.copyfile(src / name, out / name)
+  return out
 
 
 def _eagle3_specforge(cfg: dict, tensors: dict) -> tuple[dict, dict]:

