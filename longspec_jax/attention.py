@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from longspec_jax.kv_cache import quantize_kv
+
 NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
 
 
@@ -29,6 +31,42 @@ def _kv_major(x):
   """[B, S, Hkv, D] -> [B*Hkv, S, D]."""
   b, s, h, d = x.shape
   return x.transpose(0, 2, 1, 3).reshape(b * h, s, d)
+
+
+KV_PARTS = 3  # int8 parts per query / probability row over an int8 cache (see _int8_parts)
+
+
+def _int8_parts(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """x [N, R, C] ~ scale [N, R, 1] * (p0 + p1 / 254 + p2 / 254**2) as int8 rows [N, 3R, C] (p0 rows, p1 rows, p2
+  rows), as `model.int8_matmul` splits activations: the split is continuous in x up to ~1e-7 of the row's largest
+  entry, so float noise between a one-row and a many-row pass stays float noise (with two parts, its ~3e-5 steps
+  moved logits by ~3e-4)."""
+  u = x / scale
+  parts = []
+  for _ in range(KV_PARTS):
+    p = jnp.round(u)
+    parts.append(p)
+    u = (u - p) * 254.0
+  return jnp.concatenate(parts, axis=1).astype(jnp.int8)
+
+
+def _row_scale(x: jax.Array) -> jax.Array:
+  scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+  return jnp.where(scale > 0, scale, 1.0)
+
+
+def _from_parts(acc: jax.Array, scale: jax.Array) -> jax.Array:
+  """The inverse of `_int8_parts` after an integer product: int32 [N, 3R, C'] -> fp32 [N, R, C']."""
+  r = acc.shape[1] // KV_PARTS
+  acc = acc.astype(jnp.float32)
+  y = acc[:, (KV_PARTS - 1) * r:]
+  for i in range(KV_PARTS - 2, -1, -1):  # Horner: p0 + (p1 + p2 / 254) / 254
+    y = acc[:, i * r:(i + 1) * r] + y * (1.0 / 254.0)
+  return y * scale
+
+
+def _int8_product(spec: str, parts: jax.Array, values: jax.Array) -> jax.Array:
+  return jnp.einsum(spec, parts, values, preferred_element_type=jnp.int32)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 512,
@@ -114,15 +152,18 @@ def dense_masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: ja
 
 def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      positions: jax.Array, *, scale: float | None = None, return_lse: bool = False,
-                     new_visible: jax.typing.ArrayLike | None = None,
-                     cache_end: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     new_visible: jax.typing.ArrayLike | None = None, cache_end: jax.Array | None = None,
+                     k_scale: jax.Array | None = None,
+                     v_scale: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """T new rows against a static cache and, causally, each other. q [B, T, Hq, D] at positions [B, T]
   (increasing by one along T); the new rows' k/v [B, Tk, Hkv, D], Tk >= T: the last T belong to the queries,
   the first Tk - T are new rows just before them (a drafter's chain, kept out of the cache); k/v_cache
   [B, Hkv, S, D] (the `KVCache` layout), read before this pass writes its rows into it: cache row j is visible iff
   it precedes the first new row (rows at or past it are stale or the new rows themselves), new row t' to query t
   iff t' <= t + Tk - T. A draft tree gives its own `new_visible` [T, Tk] (new row t' to query t) and `cache_end` [B]
-  (cache rows before it are visible; default: the first new row's position).
+  (cache rows before it are visible; default: the first new row's position). An int8 cache (`KVCache.k_scale`)
+  gives its scales [B, Hkv, S] as k/v_scale: the products are then integer products (int8 rows; the queries and
+  probabilities each in three int8 parts), exact sums that XLA:CPU runs on int8 matrix units.
 
   Reading the cache before the write keeps the write in place: when a product read the updated buffer, XLA:CPU
   copied the layer's whole cache several times per step (a 1-row decode at 8K took ~10x its bandwidth floor).
@@ -131,12 +172,24 @@ def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
   b, t, hq, d = q.shape
   t_new = k.shape[1]
   kv_heads, s = k_cache.shape[1], k_cache.shape[2]
+  n = b * kv_heads
   g = hq // kv_heads
   scale = d ** -0.5 if scale is None else scale
   qg = _group_queries(q, kv_heads)  # [B*Hkv, T*G, D], row r = t*G + g
-  sc_cache = jnp.einsum("nrd,nsd->nrs", qg, k_cache.reshape(b * kv_heads, s, d).astype(q.dtype),
-                        preferred_element_type=jnp.float32)
-  sc_new = jnp.einsum("nrd,nsd->nrs", qg, _kv_major(k).astype(q.dtype), preferred_element_type=jnp.float32)
+  int8 = k_scale is not None
+  if int8:
+    # Cache rows and new rows alike through integer products of the int8 rows (the new ones quantized here, as
+    # they will be written): a row reads the same whether this pass wrote it or an earlier one did.
+    (kq_new, ks_new), (vq_new, vs_new) = quantize_kv(_kv_major(k)), quantize_kv(_kv_major(v))
+    q_scale = _row_scale(qg)
+    q_parts = _int8_parts(qg, q_scale)
+    score = lambda kq, ks: _from_parts(_int8_product("nrd,nsd->nrs", q_parts, kq), q_scale) * ks[:, None, :]
+    sc_cache = score(k_cache.reshape(n, s, d), k_scale.reshape(n, s))
+    sc_new = score(kq_new, ks_new)
+  else:
+    sc_cache = jnp.einsum("nrd,nsd->nrs", qg, k_cache.reshape(n, s, d).astype(q.dtype),
+                          preferred_element_type=jnp.float32)
+    sc_new = jnp.einsum("nrd,nsd->nrs", qg, _kv_major(k).astype(q.dtype), preferred_element_type=jnp.float32)
   if cache_end is None:
     cache_end = positions[:, 0] - (t_new - t)
   cache_visible = jnp.arange(s)[None, :] < cache_end[:, None]  # [B, S]
@@ -149,9 +202,18 @@ def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
   m = jnp.maximum(sc_cache.max(-1), sc_new.max(-1))[..., None]
   p_cache, p_new = jnp.exp(sc_cache - m), jnp.exp(sc_new - m)
   denom = p_cache.sum(-1) + p_new.sum(-1)
-  o = (jnp.einsum("nrs,nsd->nrd", p_cache.astype(v_cache.dtype), v_cache.reshape(b * kv_heads, s, d),
-                  preferred_element_type=jnp.float32)
-       + jnp.einsum("nrs,nsd->nrd", p_new.astype(v.dtype), _kv_major(v), preferred_element_type=jnp.float32))
+  if int8:
+    # p * v_scale in int8 parts on one scale per query row (the largest over cache and new rows), so the int32
+    # sums over cache and new rows add exactly, however a pass splits them.
+    w_cache, w_new = p_cache * v_scale.reshape(n, 1, s), p_new * vs_new[:, None, :]
+    w_scale = jnp.maximum(w_cache.max(-1), w_new.max(-1))[..., None] / 127.0
+    w_scale = jnp.where(w_scale > 0, w_scale, 1.0)
+    o = _from_parts(_int8_product("nrs,nsd->nrd", _int8_parts(w_cache, w_scale), v_cache.reshape(n, s, d))
+                    + _int8_product("nrs,nsd->nrd", _int8_parts(w_new, w_scale), vq_new), w_scale)
+  else:
+    o = (jnp.einsum("nrs,nsd->nrd", p_cache.astype(v_cache.dtype), v_cache.reshape(n, s, d),
+                    preferred_element_type=jnp.float32)
+         + jnp.einsum("nrs,nsd->nrd", p_new.astype(v.dtype), _kv_major(v), preferred_element_type=jnp.float32))
   o = o / denom[..., None]
   lse = m[..., 0] + jnp.log(denom)
   out = _ungroup(o, b, t, hq).astype(q.dtype)

@@ -25,6 +25,8 @@ _HF_IGNORED_KEYS = frozenset({
     "add_cross_attention", "output_scores", "return_dict_in_generate", "torchscript", "partial_rotary_factor",
     "quantization_config",
 })
+# The target's KV cache dtypes (`kv_cache.KVCache`): int8 has a scale per token and KV head.
+KV_DTYPES = ("float32", "bfloat16", "int8")
 # The one quantized storage read here: hf_io's int8 matrices with a scale per output row.
 INT8_QUANT_METHOD = "longspec_int8_per_row"
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from longspec_jax.attention import causal_attention, extend_attention
 from longspec_jax.config import ModelConfig
-from longspec_jax.kv_cache import KVCache
+from longspec_jax.kv_cache import KVCache, check_kv_dtype, kv_round_trip
 from longspec_jax.rope import apply_rope, rope_frequencies
 
 MODES = ("train", "prefill", "extend")
@@ -185,10 +185,12 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x, positions, rope, cache: KVCache | None, layer: int, mode: str, attn_block: int,
-               sharpdraft=None, tree_mask=None):
+               sharpdraft=None, tree_mask=None, kv_dtype: str = "float32"):
     """Writes this layer's new K/V rows into `cache` (prefill, extend); returns (x, cache, (k, v)). `tree_mask`
-    (extend): which new rows each new row sees, [T, T], instead of the causal order."""
+    (extend): which new rows each new row sees, [T, T], instead of the causal order. Every mode attends over the
+    K/V rows as a cache of `kv_dtype` holds them (`kv_round_trip`), and returns those rows."""
     q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
+    k, v = kv_round_trip(k, kv_dtype), kv_round_trip(v, kv_dtype)
     if sharpdraft is not None:  # in every mode a query at position p sees keys 0..p, i.e. p + 1 of them
       q = sharpdraft.scale_queries(layer, q, positions + 1)
     if mode == "train":
@@ -198,7 +200,9 @@ class DecoderLayer(nnx.Module):
       o = causal_attention(q, k, v, block=attn_block)
     else:
       # Attend over the cache as it was, then write: the write stays in place (see extend_attention).
-      o = extend_attention(q, k, v, cache.k[layer], cache.v[layer], positions, new_visible=tree_mask)
+      k_scale, v_scale = cache.layer_scales(layer)
+      o = extend_attention(q, k, v, cache.k[layer], cache.v[layer], positions, new_visible=tree_mask,
+                           k_scale=k_scale, v_scale=v_scale)
       cache = cache.write(layer, k, v, positions)
     x = x + self.self_attn.out(o)
     x = x + self.mlp(self.post_attention_layernorm(x))
@@ -216,7 +220,9 @@ class ForwardOutput:
 
 class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False,
-               attn_block: int = 512):
+               attn_block: int = 512, kv_dtype: str | None = None):
+    """kv_dtype: the KV cache's dtype (`kv_cache.KV_DTYPES`; default the activations' dtype), which every mode
+    attends as (train mode too: a loss measured with it is the loss of decoding over that cache)."""
     self.cfg = cfg
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs,
                                   embedding_init=nnx.initializers.normal(0.02))
@@ -226,6 +232,7 @@ class Transformer(nnx.Module):
     self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size,
                                                                 ("embed", "vocab"), rngs=rngs)
     self.dtype = dtype
+    self.kv_dtype = check_kv_dtype(kv_dtype or jnp.dtype(dtype).name)
     self.remat = remat
     self.attn_block = attn_block
     self.head_int8 = nnx.data(None)  # set by quantize_int8: an int8 copy of the LM head [V, H] and its scales [V]
@@ -243,6 +250,11 @@ class Transformer(nnx.Module):
     values, scale = quantize_per_channel(head, axis=0)
     self.head_int8 = nnx.Param(values, logical_axes=("vocab", "embed"))
     self.head_scale = nnx.Param(scale, logical_axes=("vocab",))
+    return self
+
+  def with_kv_dtype(self, kv_dtype: str) -> "Transformer":
+    """Sets the KV cache dtype (`kv_cache.KV_DTYPES`) in place; returns self."""
+    self.kv_dtype = check_kv_dtype(kv_dtype)
     return self
 
   def embed(self, tokens: jax.Array) -> jax.Array:
@@ -284,6 +296,7 @@ class Transformer(nnx.Module):
       start = cache.lengths if mode == "extend" else jnp.zeros((b,), jnp.int32)
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     rope = rope_frequencies(cfg, jnp.max(positions))
+    kv_dtype = self.kv_dtype if cache is None else cache.kv_dtype
     taps = tuple(taps)
     for i in taps:
       if not 0 <= i <= cfg.num_hidden_layers:
@@ -296,10 +309,12 @@ class Transformer(nnx.Module):
       if li in taps:
         tapped[li] = x
       if self.remat and mode == "train":
-        fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, li, "train", self.attn_block, sharpdraft)[0])
+        fn = nnx.remat(lambda lyr, x_, p_: lyr(x_, p_, rope, None, li, "train", self.attn_block, sharpdraft,
+                                               kv_dtype=kv_dtype)[0])
         x = fn(layer, x, positions)
       else:
-        x, written, (k, v) = layer(x, positions, rope, cache, li, mode, self.attn_block, sharpdraft, tree_mask)
+        x, written, (k, v) = layer(x, positions, rope, cache, li, mode, self.attn_block, sharpdraft, tree_mask,
+                                   kv_dtype)
         cache = written if write_cache else cache
         if return_kv:
           new_k.append(k)
@@ -340,7 +355,7 @@ class Transformer(nnx.Module):
   def init_cache(self, batch: int, max_len: int, dtype: jax.typing.DTypeLike | None = None) -> KVCache:
     cfg = self.cfg
     return KVCache.zeros(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                         dtype or self.dtype)
+                         dtype or self.kv_dtype)
 
 
 def param_count(model: nnx.Module) -> int:

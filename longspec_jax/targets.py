@@ -120,7 +120,7 @@ TARGET_DTYPES = {"float32": ("float32", "float32"), "bfloat16": ("bfloat16", "bf
 
 
 def load_target(name_or_dir: str | os.PathLike | None = None, *, rope_scaling: str | None = None,
-                dtype: str = "float32", show_progress: bool = True) -> Transformer:
+                dtype: str = "float32", kv_dtype: str | None = None, show_progress: bool = True) -> Transformer:
   """The target model (a `Transformer`): a named target, an HF directory, or the shipped default.
 
   rope_scaling: e.g. "yarn:2" to run past the trained context (SmolLM2-135M: 8192 -> 16384 positions).
@@ -131,15 +131,21 @@ def load_target(name_or_dir: str | os.PathLike | None = None, *, rope_scaling: s
   its one-row products to two). "int8-weights": the decoder layers' projections and a copy of the LM head stored
   in int8 with a scale per output channel and run as integer products (`model.int8_matmul`: exact sums,
   activations in three int8 parts), the rest fp32; on CPUs with int8 matrix units (AMX, VNNI) the products run
-  several times faster than fp32."""
+  several times faster than fp32. kv_dtype: the KV cache (`config.KV_DTYPES`: float32, bfloat16, int8 with a scale
+  per token and KV head); None = the activations' dtype."""
   import jax.numpy as jnp
   from longspec_jax.hf_io import load_model_dir
+  from longspec_jax.kv_cache import check_kv_dtype
   if dtype not in TARGET_DTYPES:
     raise ValueError(f"target dtype must be one of {tuple(TARGET_DTYPES)}, got {dtype!r}")
+  if kv_dtype is not None:
+    check_kv_dtype(kv_dtype)  # before the model loads
   path = resolve_target_dir(name_or_dir, show_progress=show_progress)
   compute, weights = TARGET_DTYPES[dtype]
   model = load_model_dir(path, config_fn=lambda c: with_rope_scaling(c, rope_scaling), dtype=jnp.dtype(compute),
                          param_dtype=jnp.dtype(weights))
+  if kv_dtype is not None:
+    model.with_kv_dtype(kv_dtype)
   return model.quantize_int8() if dtype == "int8-weights" else model
 
 

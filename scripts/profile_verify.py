@@ -12,6 +12,9 @@ and the floors: bytes that must be read (weights + the K/V of S positions) / mea
 (2 x params x T + attention 4 x T x Hq x S x D x L) / measured peak matmul throughput. A pass cannot beat the larger
 of the two; on a CPU the two costs mostly add up (the same cores load and multiply).
 
+With `--kv-dtype float32,int8` (a list) every KV cache dtype is profiled in the same process, its calls interleaved
+with the others', and each row also gives its times as ratios over the first dtype's (`*_ratio`).
+
   python scripts/profile_verify.py --model smollm2-135m --contexts 1024,4096,8192 --rows 1,9,16 \\
       --out results/verify_profile/smollm2.json
 """
@@ -30,7 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longspec_jax.attention import NEG_INF, extend_attention
-from longspec_jax.kv_cache import COMPILER_OPTIONS
+from longspec_jax.config import KV_DTYPES
+from longspec_jax.kv_cache import COMPILER_OPTIONS, quantize_kv
 from longspec_jax.model import param_count
 from longspec_jax.targets import TARGET_DTYPES, load_target, parse_rope_scaling
 
@@ -64,12 +68,42 @@ def machine_floors(repeats: int) -> dict:
 
 def filled_cache(model, s: int, t: int):
   cache = model.init_cache(1, s + t)
-  fill = lambda bufs, seed: tuple(0.1 * jax.random.normal(jax.random.key(seed + i), x.shape, x.dtype)
-                                  for i, x in enumerate(bufs))
-  return cache.replace(k=fill(cache.k, 0), v=fill(cache.v, 1000), lengths=jnp.array([s], jnp.int32))
+  rows = lambda x, seed: 0.1 * jax.random.normal(jax.random.key(seed), x.shape, jnp.float32)
+  if cache.k_scale is None:
+    fill = lambda bufs, seed: tuple(rows(x, seed + i).astype(x.dtype) for i, x in enumerate(bufs))
+    return cache.replace(k=fill(cache.k, 0), v=fill(cache.v, 1000), lengths=jnp.array([s], jnp.int32))
+  k, v = ([quantize_kv(rows(x, seed + i)) for i, x in enumerate(bufs)]
+          for bufs, seed in ((cache.k, 0), (cache.v, 1000)))
+  return cache.replace(k=tuple(x[0] for x in k), k_scale=tuple(x[1] for x in k), v=tuple(x[0] for x in v),
+                       v_scale=tuple(x[1] for x in v), lengths=jnp.array([s], jnp.int32))
 
 
-def profile(model, contexts, rows, repeats: int) -> list[dict]:
+def profile(models: dict, contexts, rows, repeats: int) -> list[dict]:
+  """models: KV cache dtype -> the target with that cache; every dtype's calls interleaved with the others'."""
+  return [row for s in contexts for t in rows for row in profile_one(models, s, t, repeats)]
+
+
+def profile_one(models: dict, s: int, t: int, repeats: int) -> list[dict]:
+  fns, rows_out = {}, []
+  for kv, model in models.items():
+    fns.update({(kv, name): f for name, f in pass_fns(model, s, t).items()})
+    rows_out.append({"kv_dtype": kv, "context": s, "rows": t})
+  ms = interleaved_medians(fns, repeats)
+  cfg, first = next(iter(models.values())).cfg, next(iter(models))
+  for row in rows_out:
+    kv, model = row["kv_dtype"], models[row["kv_dtype"]]
+    row.update({f"{name}_ms": round(ms[(kv, name)], 2) for name in ("pass", "layers", "attention", "lm_head")})
+    row.update({f"{name}_ratio": round(ms[(kv, name)] / ms[(first, name)], 3) for name in ("pass", "attention")})
+    cache = model.init_cache(1, s + t)
+    attn_flops = 4 * t * cfg.num_attention_heads * s * cfg.head_dim * cfg.num_hidden_layers
+    row.update(weight_bytes=sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))),
+               kv_bytes=round((cache.nbytes - cache.lengths.nbytes) * s / (s + t)),
+               flops=2 * param_count(model) * t + attn_flops)
+  return rows_out
+
+
+def pass_fns(model, s: int, t: int) -> dict:
+  """The four timed calls (pass, layers, attention, lm_head) of one target at context s with t rows."""
   cfg = model.cfg
   graphdef, params = nnx.split(model)
 
@@ -80,7 +114,9 @@ def profile(model, contexts, rows, repeats: int) -> list[dict]:
   def attention_fn(cache, q, k, positions):
     outs = []
     for layer in range(cfg.num_hidden_layers):
-      outs.append(extend_attention(q, k, k, cache.k[layer], cache.v[layer], positions))
+      k_scale, v_scale = cache.layer_scales(layer)
+      outs.append(extend_attention(q, k, k, cache.k[layer], cache.v[layer], positions, k_scale=k_scale,
+                                   v_scale=v_scale))
       cache = cache.write(layer, k, k, positions)
     return jnp.stack(outs), cache
 
@@ -91,36 +127,25 @@ def profile(model, contexts, rows, repeats: int) -> list[dict]:
   run_pass = jax.jit(pass_fn, donate_argnums=(1,), compiler_options=COMPILER_OPTIONS)
   run_attention = jax.jit(attention_fn, donate_argnums=(0,), compiler_options=COMPILER_OPTIONS)
   run_lm_head = jax.jit(lm_head_fn)
-  n_params = param_count(model)
-  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  rows_out = []
-  for s in contexts:
-    for t in rows:
-      tokens = jnp.ones((1, t), jnp.int32)
-      state = {"full": filled_cache(model, s, t), "small": filled_cache(model, SMALL_CACHE, t),
-               "attn": filled_cache(model, s, t)}
-      q = 0.1 * jnp.ones((1, t, cfg.num_attention_heads, cfg.head_dim), model.dtype)
-      k = 0.1 * jnp.ones((1, t, cfg.num_key_value_heads, cfg.head_dim), model.dtype)
-      positions = jnp.full((1, t), s, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-      h = jnp.ones((1, t, cfg.hidden_size), model.dtype)
+  tokens = jnp.ones((1, t), jnp.int32)
+  state = {"full": filled_cache(model, s, t), "small": filled_cache(model, SMALL_CACHE, t),
+           "attn": filled_cache(model, s, t)}
+  q = 0.1 * jnp.ones((1, t, cfg.num_attention_heads, cfg.head_dim), model.dtype)
+  k = 0.1 * jnp.ones((1, t, cfg.num_key_value_heads, cfg.head_dim), model.dtype)
+  positions = jnp.full((1, t), s, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+  h = jnp.ones((1, t, cfg.hidden_size), model.dtype)
 
-      def call(kind):
-        def go():
-          if kind == "attention":
-            out, state["attn"] = run_attention(state["attn"], q, k, positions)
-            return out
-          out, state[kind] = run_pass(params, state[kind], tokens)
-          return out
-        return go
+  def call(kind):
+    def go():
+      if kind == "attention":
+        out, state["attn"] = run_attention(state["attn"], q, k, positions)
+        return out
+      out, state[kind] = run_pass(params, state[kind], tokens)
+      return out
+    return go
 
-      ms = interleaved_medians({"pass": call("full"), "layers": call("small"), "attention": call("attention"),
-                                "lm_head": lambda: run_lm_head(params, h)}, repeats)
-      kv_bytes = sum(x.nbytes for x in state["full"].k + state["full"].v)
-      attn_flops = 4 * t * cfg.num_attention_heads * s * cfg.head_dim * cfg.num_hidden_layers
-      rows_out.append({"context": s, "rows": t, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
-                       "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
-                       "flops": 2 * n_params * t + attn_flops})
-  return rows_out
+  return {"pass": call("full"), "layers": call("small"), "attention": call("attention"),
+          "lm_head": lambda: run_lm_head(params, h)}
 
 
 def attention_parts(model, contexts, rows, repeats: int) -> list[dict]:
@@ -157,40 +182,52 @@ def main() -> int:
   p.add_argument("--model", default=None, help="named target or HF directory (default: the shipped target)")
   p.add_argument("--rope-scaling", default=None, help="e.g. yarn:2 for SmolLM2-135M past 8K")
   p.add_argument("--dtype", default="float32", choices=list(TARGET_DTYPES), help="the target's dtype (see load_target)")
+  p.add_argument("--kv-dtype", default=None, help="KV cache dtypes to profile side by side, e.g. float32,int8 (of "
+                 f"{', '.join(KV_DTYPES)}; default the activations' dtype); ratios are over the first")
   p.add_argument("--contexts", default="1024,4096,8192")
   p.add_argument("--rows", default="1,9,16")
   p.add_argument("--repeats", type=int, default=9)
+  p.add_argument("--skip-stages", action="store_true", help="skip the float attention stages table")
   p.add_argument("--out", default=None, help="write the table as JSON here")
   a = p.parse_args()
   parse_rope_scaling(a.rope_scaling)
   model = load_target(a.model, rope_scaling=a.rope_scaling, dtype=a.dtype)
+  kv_dtypes = a.kv_dtype.split(",") if a.kv_dtype else [model.kv_dtype]
+  graphdef, params = nnx.split(model)
+  models = {kv: nnx.merge(graphdef, params).with_kv_dtype(kv) for kv in kv_dtypes}
   contexts = [int(x) for x in a.contexts.split(",")]
   rows = [int(x) for x in a.rows.split(",")]
   floors = machine_floors(a.repeats)
-  table = profile(model, contexts, rows, a.repeats)
-  decode_ms = {r["context"]: r["pass_ms"] for r in table if r["rows"] == 1}
+  table = profile(models, contexts, rows, a.repeats)
+  decode_ms = {(r["kv_dtype"], r["context"]): r["pass_ms"] for r in table if r["rows"] == 1}
   print(f"machine: read {floors['read_gb_per_s']:.1f} GB/s, fp32 matmul {floors['matmul_gflop_per_s']:.0f} GFLOP/s; "
         f"model {a.model or 'shipped'} {a.dtype}")
-  print(f"{'ctx':>6} {'rows':>4} {'pass':>7} {'layers':>7} {'attn':>7} {'lm_head':>7} {'x decode':>8} "
-        f"{'mem floor':>9} {'flop floor':>10}")
+  print(f"{'kv':>8} {'ctx':>6} {'rows':>4} {'pass':>7} {'layers':>7} {'attn':>7} {'lm_head':>7} {'x decode':>8} "
+        f"{'mem floor':>9} {'flop floor':>10} {'pass/1st':>8} {'attn/1st':>8}")
   for r in table:
     r["mem_floor_ms"] = round((r["weight_bytes"] + r["kv_bytes"]) / floors["read_gb_per_s"] / 1e6, 2)
     r["flop_floor_ms"] = round(r["flops"] / floors["matmul_gflop_per_s"] / 1e6, 2)
-    r["over_decode"] = round(r["pass_ms"] / decode_ms[r["context"]], 3) if r["context"] in decode_ms else None
-    print(f"{r['context']:>6} {r['rows']:>4} {r['pass_ms']:>7.1f} {r['layers_ms']:>7.1f} {r['attention_ms']:>7.1f} "
-          f"{r['lm_head_ms']:>7.1f} {r['over_decode'] or float('nan'):>8.2f} {r['mem_floor_ms']:>9.1f} "
-          f"{r['flop_floor_ms']:>10.1f}")
-  parts = attention_parts(model, contexts, [t for t in rows if t > 1] or rows, a.repeats)
-  print(f"attention stages, all layers (ms): {'ctx':>6} {'rows':>4} {'scores':>7} {'softmax':>7} {'values':>7} "
-        f"{'product GFLOP/s':>15}")
-  for r in parts:
-    r["product_gflop_per_s"] = round(r["product_flops"] / r["scores_ms"] / 1e6, 1)
-    print(f"{'':>34} {r['context']:>6} {r['rows']:>4} {r['scores_ms']:>7.1f} {r['softmax_ms']:>7.1f} "
-          f"{r['values_ms']:>7.1f} {r['product_gflop_per_s']:>15.1f}")
+    decode = decode_ms.get((r["kv_dtype"], r["context"]))
+    r["over_decode"] = round(r["pass_ms"] / decode, 3) if decode else None
+    print(f"{r['kv_dtype']:>8} {r['context']:>6} {r['rows']:>4} {r['pass_ms']:>7.1f} {r['layers_ms']:>7.1f} "
+          f"{r['attention_ms']:>7.1f} {r['lm_head_ms']:>7.1f} {r['over_decode'] or float('nan'):>8.2f} "
+          f"{r['mem_floor_ms']:>9.1f} {r['flop_floor_ms']:>10.1f} {r['pass_ratio']:>8.3f} {r['attention_ratio']:>8.3f}")
+  if a.skip_stages:
+    parts = []
+  else:
+    parts = attention_parts(model, contexts, [t for t in rows if t > 1] or rows, a.repeats)
+  if parts:
+    print(f"attention stages, all layers (ms): {'ctx':>6} {'rows':>4} {'scores':>7} {'softmax':>7} {'values':>7} "
+          f"{'product GFLOP/s':>15}")
+    for r in parts:
+      r["product_gflop_per_s"] = round(r["product_flops"] / r["scores_ms"] / 1e6, 1)
+      print(f"{'':>34} {r['context']:>6} {r['rows']:>4} {r['scores_ms']:>7.1f} {r['softmax_ms']:>7.1f} "
+            f"{r['values_ms']:>7.1f} {r['product_gflop_per_s']:>15.1f}")
   if a.out:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"model": a.model or "shipped", "rope_scaling": a.rope_scaling,
-                                       "dtype": a.dtype, "machine": platform.machine(), "cpus": jax.device_count(),
+                                       "dtype": a.dtype, "kv_dtypes": kv_dtypes, "machine": platform.machine(),
+                                       "cpus": jax.device_count(),
                                        "jax": jax.__version__, **floors, "table": table,
                                        "attention_stages": parts}, indent=1))
   return 0

@@ -19,6 +19,7 @@ class SuiteConfig:
   model: str = ""  # the target: a name (smollm2-135m), a model directory, or "" = the shipped default target
   rope_scaling: str = ""  # e.g. "yarn:2" to run the target past its trained context ("" = none)
   dtype: str = "float32"  # the target's dtype: float32 | bfloat16 | bf16-weights | int8-weights (targets.TARGET_DTYPES)
+  kv_dtype: str = ""  # the target's KV cache: float32 | bfloat16 | int8 (config.KV_DTYPES); "" = the activations'
   methods: tuple[str, ...] = ("prompt-lookup",)  # NAME or NAME:key=value,key=value (see parse_method)
   contexts: tuple[int, ...] = (1024,)  # prompt lengths in tokens, BOS included
   temperatures: tuple[float, ...] = (0.0,)
@@ -124,6 +125,9 @@ def validate(cfg: SuiteConfig) -> list[MethodSpec]:
     parse_rope_scaling(cfg.rope_scaling)
   from longspec_jax.targets import TARGET_DTYPES
   _check(cfg.dtype in TARGET_DTYPES, f"dtype must be one of {', '.join(TARGET_DTYPES)}, got {cfg.dtype!r}")
+  from longspec_jax.config import KV_DTYPES
+  _check(cfg.kv_dtype in ("",) + KV_DTYPES,
+         f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or empty: the activations' dtype), got {cfg.kv_dtype!r}")
   for key in ("methods", "contexts", "temperatures", "docs"):
     _check(isinstance(getattr(cfg, key), tuple), f"{key} must be a list, got {getattr(cfg, key)!r}")
   _check(len(cfg.methods) > 0, "methods is empty")

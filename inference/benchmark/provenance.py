@@ -21,17 +21,19 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def target_with_provenance(model: str, rope_scaling: str = "", dtype: str = "float32"
+def target_with_provenance(model: str, rope_scaling: str = "", dtype: str = "float32", kv_dtype: str = ""
                            ) -> tuple[Transformer, Tokenizer, dict]:
   """(model, tokenizer, description) for a suite config's `model:` (a named target such as smollm2-135m, a model
-  directory, or "" for the shipped default), `rope_scaling:` (e.g. "yarn:2"; "" = none) and `dtype:`."""
+  directory, or "" for the shipped default), `rope_scaling:` (e.g. "yarn:2"; "" = none), `dtype:` and `kv_dtype:`
+  ("" = the activations' dtype)."""
   from longspec_jax.hf_io import weights_sha256
   from longspec_jax.targets import load_target as load, resolve_target_dir
   from longspec_jax.tokenizer import load_tokenizer
   path = resolve_target_dir(model or None)
-  return (load(path, rope_scaling=rope_scaling or None, dtype=dtype), load_tokenizer(path),
+  target = load(path, rope_scaling=rope_scaling or None, dtype=dtype, kv_dtype=kv_dtype or None)
+  return (target, load_tokenizer(path),
           {"model": model or "shipped default", "dir": str(path), "rope_scaling": rope_scaling or None,
-           "dtype": dtype, "weights_sha256": weights_sha256(path)})
+           "dtype": dtype, "kv_dtype": target.kv_dtype, "weights_sha256": weights_sha256(path)})
 
 
 def drafter_checkpoint(method: MethodSpec, target: Transformer | ModelConfig | None = None) -> dict | None:

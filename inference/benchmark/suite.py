@@ -114,7 +114,7 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
   methods = validate(cfg)
   out = Path(out)
   (out / "cells").mkdir(parents=True, exist_ok=True)
-  model, tok, target = provenance.target_with_provenance(cfg.model, cfg.rope_scaling, cfg.dtype)
+  model, tok, target = provenance.target_with_provenance(cfg.model, cfg.rope_scaling, cfg.dtype, cfg.kv_dtype)
   mcfg = model.cfg
   engine.sizes(mcfg, max(cfg.contexts), cfg.new_tokens)  # raises if even AR does not fit
   doc_paths = [Path(d) for d in cfg.docs] or long_doc_paths()
@@ -130,7 +130,8 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
                  for m in methods}
   # A RoPE override or a dtype changes the target but not its weights file.
   target_id = (target["weights_sha256"] + (f"+{cfg.rope_scaling}" if cfg.rope_scaling else "")
-               + (f"+{cfg.dtype}" if cfg.dtype != "float32" else ""))
+               + (f"+{cfg.dtype}" if cfg.dtype != "float32" else "")
+               + (f"+kv-{cfg.kv_dtype}" if cfg.kv_dtype else ""))
 
   def fp(m: Method, ctx: int, temp: float, p: dict) -> str:
     # A tree named by its file (FILE.json#N) is fingerprinted by its paths, so an edited file reruns its cells.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from longspec_jax.argtypes import checked, int_arg, nonneg_float, nonneg_int, positive_int, unit_float
 from longspec_jax.compile_cache import ENV_VAR as COMPILE_CACHE_ENV
 from longspec_jax.drafters.registry import DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT
+from longspec_jax.config import KV_DTYPES
 from longspec_jax.targets import TARGET_DTYPES
 
 if TYPE_CHECKING:
@@ -33,6 +34,9 @@ DTYPE_HELP = ("target weights, activations and KV cache (products accumulate in 
               "projections and an LM head copy in int8 and runs them as integer products (on CPUs with int8 matrix "
               "units, AMX or VNNI: SmolLM2-135M decode steps ~24%% faster, 8-row verify products ~2x; less elsewhere), "
               "with activations, KV cache and embedding in fp32")
+KV_DTYPE_HELP = ("the target's KV cache: float32, bfloat16, or int8 (a scale per token and KV head, read through "
+                 "integer products; ~3.8x fewer bytes than float32); default the activations' dtype. Rows are "
+                 "quantized once, when written: speculative output equals autoregression over the same cache dtype")
 ROPE_HELP = "RoPE scaling override to run past the trained context, e.g. yarn:2 (SmolLM2-135M: 8K -> 16K)"
 # One dtype vocabulary for every --dtype flag (the target's names); the short names earlier commands took still read.
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "float8"}
@@ -60,13 +64,16 @@ def rope_scaling_arg(value: str) -> str:
 
 def add_target_flags(p: argparse.ArgumentParser, *, rope: bool = True, dtype: bool = True,
                      aliases: tuple[str, ...] = ()) -> None:
-  """--model (with `aliases`: the names a command first gave it, e.g. --target), --rope-scaling, --dtype."""
+  """--model (with `aliases`: the names a command first gave it, e.g. --target), --rope-scaling, --dtype,
+  --kv-dtype."""
   p.add_argument("--model", *aliases, dest="model", help=MODEL_HELP)
   if rope:
     p.add_argument("--rope-scaling", metavar="TYPE:FACTOR", type=rope_scaling_arg, help=ROPE_HELP)
   if dtype:
     p.add_argument("--dtype", type=dtype_arg(TARGET_DTYPES), default="float32", metavar="{" + ",".join(TARGET_DTYPES)
                    + "}", help=DTYPE_HELP)
+    p.add_argument("--kv-dtype", type=dtype_arg(KV_DTYPES), default=None, metavar="{" + ",".join(KV_DTYPES) + "}",
+                   help=KV_DTYPE_HELP)
 
 
 def model_dir(arg: str | None) -> Path:
@@ -80,7 +87,8 @@ def target_from_flags(a: argparse.Namespace) -> tuple[Transformer, Tokenizer, Pa
   from longspec_jax.targets import load_target
   from longspec_jax.tokenizer import load_tokenizer
   path = model_dir(a.model)
-  return (load_target(path, rope_scaling=getattr(a, "rope_scaling", None), dtype=getattr(a, "dtype", "float32")),
+  return (load_target(path, rope_scaling=getattr(a, "rope_scaling", None), dtype=getattr(a, "dtype", "float32"),
+                      kv_dtype=getattr(a, "kv_dtype", None)),
           load_tokenizer(path), path)
 
 

@@ -80,7 +80,7 @@ def cmd_eval_target(a: argparse.Namespace) -> int:
   t0 = time.time()
   res = evaluate_position_buckets(model, docs, unigram, max_len=a.max_len)
   res.update(files=[str(f) for f in files], unigram_source=source, eval_s=round(time.time() - t0, 1),
-             model=str(a.model or model_dir), rope_scaling=a.rope_scaling, dtype=a.dtype)
+             model=str(a.model or model_dir), rope_scaling=a.rope_scaling, dtype=a.dtype, kv_dtype=model.kv_dtype)
   print(json.dumps(res, indent=2))
   write_json(a.json, res)
   return 0

@@ -155,7 +155,8 @@ class BudgetDrafter(DrafterSpec):
     b, t = toks.shape
     t8 = -(-t // CHUNK) * CHUNK
     toks = jnp.pad(toks, ((0, 0), (0, t8 - t)))  # pad rows sit after every prompt: no real query sees them
-    cache = model(toks, cache=model.init_cache(b, t8), mode="prefill", return_logits=False).cache
+    # Its own copy of the prompt's K/V, in the activations' dtype (sparse_prompt_view reads float rows).
+    cache = model(toks, cache=model.init_cache(b, t8, model.dtype), mode="prefill", return_logits=False).cache
     ks, vs, num_sel = sparse_prompt_view([x.transpose(0, 2, 1, 3) for x in cache.k],  # -> [B, S, Hkv, D], once
                                          [x.transpose(0, 2, 1, 3) for x in cache.v], lens, self.budget,
                                          self.keep_recent)
