@@ -271,10 +271,41 @@ def _public_checkpoint(path, cfg, rng):
   return tensors
 
 
+def _draftfreekv_config(cfg):
+  """config.json as the published checkpoints hold it: LongSpark's DraftFreeKVConfig saved by transformers (flat
+  keys, model_type draftfreekv), Global16 + Raw256 mode, with the other variants' keys at their defaults."""
+  a = cfg.arch
+  return {"architectures": ["DraftFreeKVModel"], "model_type": "draftfreekv", "dtype": "bfloat16",
+          "transformers_version": "4.57.1", "target_model_name_or_path": "Qwen/Qwen3-8B",
+          "target_layer_ids": list(cfg.target_layer_ids), "target_layer_policy": None,
+          "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "hidden_size": a.hidden_size,
+          "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim, "target_kv_window_size": None,
+          "target_kv_memory_layout": "direct", "target_kv_memory_query_rank": 16, "vocab_size": a.vocab_size,
+          "adapter_rank": 512, "adapter_alpha": 512.0, "transition_rank": 512, "transition_alpha": 512.0,
+          "draft_mode": "parallel_shifted_qwen", "mask_token_id": cfg.mask_token_id,
+          "parallel_mixer_layers": len(cfg.target_layer_ids), "parallel_mixer_rank": 512,
+          "parallel_mixer_alpha": 512.0, "parallel_mixer_num_heads": 8, "parallel_markov_rank": cfg.markov_rank,
+          "parallel_markov_head_type": "vanilla", "xpress_num_refinement_steps": 4, "xpress_early_stop": False,
+          "xpress_activation": "silu", "qwen_intermediate_size": a.intermediate_size,
+          "qwen_num_attention_heads": a.num_attention_heads, "qwen_rope_theta": a.rope.theta,
+          "qwen_rms_norm_eps": a.rms_norm_eps, "qwen_gradient_checkpointing": True, "training_objective": "ce",
+          "global16_raw256_enabled": True, "global_memory_slots": cfg.num_global_slots,
+          "raw_target_rows": cfg.raw_window, "local_draft_rows": cfg.block_size, "max_accepted_tokens": 8,
+          "global_memory_source_window": "full", "global_checkpoint_compatibility": "retrain_required",
+          "global_query_mode": "learned", "global_query_equicorrelation": 0.4,
+          "global_query_slot_mass_mode": "system", "memory_output_slots": None, "memory_source_window": None,
+          "memory_query_mode": "hidden_r16", "memory_query_residual_rank": None,
+          "memory_external_key_mode": "akav", "memory_attention_backend": "sdpa", "memory_anchor_policy": "recent"}
+
+
 def test_loads_public_longspark_layout_and_round_trips(target, tmp_path):
+  """The published layout: the 65-tensor names (here for 2 layers) in bf16 and the DraftFreeKV config.json; it
+  loads through load_drafter, generates equal to AR, and our export writes the same names and shapes back."""
   cfg = longspark_config_for(target.cfg, num_layers=2, markov_rank=8, raw_window=W, num_global_slots=4)
   tensors = _public_checkpoint(tmp_path / "public", cfg, np.random.default_rng(0))
-  loaded = load_longspark(tmp_path / "public", target)
+  public = _draftfreekv_config(cfg)
+  (tmp_path / "public" / "config.json").write_text(json.dumps(public))
+  loaded = load_drafter("longspark", target, tmp_path / "public")
   assert dataclasses.replace(loaded.spec.cfg, arch=cfg.arch) == cfg
   m = nnx.merge(loaded.spec.graphdef, loaded.params["drafter"])
   bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
@@ -296,6 +327,16 @@ def test_loads_public_longspark_layout_and_round_trips(target, tmp_path):
                     load_longspark(tmp_path / "ours", target).params["drafter"])
   for x, y in zip(jax.tree.leaves(nnx.state(m)), jax.tree.leaves(nnx.state(again))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # Other DraftFreeKV variants and malformed public configs: one clear error each.
+  for change, msg in [({"draft_mode": "markov"}, "draft_mode 'markov' is another DraftFreeKV variant"),
+                      ({"global16_raw256_enabled": False}, "global16_raw256_enabled False is another"),
+                      ({"target_kv_window_size": 64}, r"\['target_kv_window_size'\] must be null"),
+                      ({"parallel_mixer_layers": 3}, "parallel_mixer_layers 3 vs 2 target_layer_ids"),
+                      ({"qwen_num_attention_heads": None}, r"lacks \['qwen_num_attention_heads'\]"),
+                      ({"sink_rows": 4}, r"unknown keys \['sink_rows'\]")]:
+    (tmp_path / "public" / "config.json").write_text(json.dumps({**public, **change}))
+    with pytest.raises(ValueError, match=msg):
+      load_longspark(tmp_path / "public", target)
 
 
 def test_bad_checkpoints_targets_and_k(target, tmp_path):

@@ -45,7 +45,8 @@ import numpy as np
 from longspec_jax.config import read_config_json
 from longspec_jax.drafters.base import LoadedDrafter, ReadsLikeInner
 from longspec_jax.drafters.dflash import load_dflash
-from longspec_jax.drafters.longspark import ARCHITECTURE as LONGSPARK, LongSparkDrafter, load_longspark
+from longspec_jax.drafters.longspark import (ARCHITECTURE as LONGSPARK, PUBLIC_ARCHITECTURE as PUBLIC_LONGSPARK,
+                                             LongSparkDrafter, load_longspark)
 from longspec_jax.drafters.registry import DrafterEntry
 from longspec_jax.sampling import processed_log_probs
 
@@ -325,7 +326,7 @@ def resolve_base_dir(drafter_dir: Path, name: str) -> Path:
 def base_is_longspark(base_dir: str | os.PathLike) -> bool:
   """Whether the block drafter in base_dir is a LongSpark (else a DFlash), by its config's architecture."""
   archs = read_config_json(Path(base_dir) / "config.json", "DeLS base drafter").get("architectures") or []
-  return LONGSPARK in archs
+  return bool({LONGSPARK, PUBLIC_LONGSPARK} & set(archs))
 
 
 def cut_to_draft_vocab(head: dict, ids: jax.Array) -> dict:

@@ -52,13 +52,39 @@ if TYPE_CHECKING:
   from longspec_jax.model import Transformer
 
 ARCHITECTURE = "LongSparkDraftModel"
+# The published checkpoints (Hehy/LongSpark-Qwen3-*, 65 bf16 tensors): the same tensor names, and the config of
+# LongSpark's DraftFreeKVConfig (model_type "draftfreekv", flat keys), read by `from_public_dict`.
+PUBLIC_ARCHITECTURE = "DraftFreeKVModel"
+PUBLIC_MODEL_TYPE = "draftfreekv"
+# DraftFreeKV settings that make a checkpoint the Global + Raw + Local drafter implemented here, with the public
+# defaults a config may leave out; any other value is another DraftFreeKV variant.
+_PUBLIC_SETTINGS = {"draft_mode": ("parallel_shifted_qwen", "markov"), "global16_raw256_enabled": (True, False),
+                    "target_kv_memory_layout": ("direct", "direct"),
+                    "parallel_markov_head_type": ("vanilla", "vanilla"), "global_query_mode": ("learned", "learned"),
+                    "global_memory_source_window": ("full", "full")}
+# Keys of the other DraftFreeKV variants and of training, meaningless for this drafter; read past. Window/memory
+# keys that would change it must be unset (null).
+_PUBLIC_IGNORED = ("target_model_name_or_path", "target_layer_policy", "target_kv_memory_query_rank", "adapter_rank",
+                   "adapter_alpha", "transition_rank", "transition_alpha", "parallel_mixer_rank",
+                   "parallel_mixer_alpha", "parallel_mixer_num_heads", "xpress_num_refinement_steps",
+                   "xpress_early_stop", "xpress_activation", "qwen_gradient_checkpointing", "training_objective",
+                   "memory_query_mode", "memory_external_key_mode", "memory_attention_backend",
+                   "memory_anchor_policy", "global_checkpoint_compatibility", "global_query_equicorrelation",
+                   "global_query_slot_mass_mode", "max_accepted_tokens", "qwen_initialize_from_target",
+                   "_name_or_path", "_commit_hash", "architectures", "attn_implementation", "dtype", "model_type",
+                   "torch_dtype", "transformers_version")
+_PUBLIC_UNSET = ("target_kv_window_size", "memory_output_slots", "memory_source_window", "memory_query_residual_rank")
+_PUBLIC_READ = ("target_layer_ids", "num_target_layers", "block_size", "local_draft_rows", "hidden_size",
+                "num_key_value_heads", "head_dim", "vocab_size", "mask_token_id", "parallel_mixer_layers",
+                "qwen_intermediate_size", "qwen_num_attention_heads", "qwen_rope_theta", "qwen_rms_norm_eps",
+                "parallel_markov_rank", "global_memory_slots", "raw_target_rows")
 LONGSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_global_slots", "raw_window",
                   "markov_rank")
 PREFILL_CHUNK = 512  # rows per step of the prefill scan over the prompt's K/V
 # Our parameter names -> the public checkpoint's (FeedForward is nn.Sequential(Linear, SiLU, Linear) there).
 _RENAMES = ((".fc_in.", ".net.0."), (".fc_out.", ".net.2."))
 DRAFTERS = (DrafterEntry(name="longspark", loader="load_longspark", checkpoint="longspark",
-                         architectures=("LongSparkDraftModel",), diagnostics=True,
+                         architectures=("LongSparkDraftModel", "DraftFreeKVModel"), diagnostics=True,
                          options=("draft_vocab",),
                          trainer="longspec_jax.training.train_longspark:LongSparkTrainConfig:train_longspark"),)
 
@@ -97,6 +123,8 @@ class LongSparkConfig:
   @classmethod
   def from_hf_dict(cls, d: dict) -> "LongSparkConfig":
     d = dict(d)
+    if d.get("model_type") == PUBLIC_MODEL_TYPE:
+      return cls.from_public_dict(d)
     archs = d.get("architectures") or []
     if ARCHITECTURE not in archs:
       raise ValueError(f"not a LongSpark drafter config: architectures {archs} (expected {ARCHITECTURE})")
@@ -114,6 +142,48 @@ class LongSparkConfig:
     kw = {k: int(extra[k]) for k in ("block_size", "num_global_slots", "raw_window", "markov_rank") if k in extra}
     return cls(arch=ModelConfig.from_hf_dict(d), target_layer_ids=tuple(int(i) for i in extra["target_layer_ids"]),
                num_target_layers=int(ntl), mask_token_id=int(extra["mask_token_id"]), **kw)
+
+  @classmethod
+  def from_public_dict(cls, d: dict) -> "LongSparkConfig":
+    """The config.json of a published LongSpark checkpoint (DraftFreeKVConfig, Global16 + Raw256 mode)."""
+    where = "public LongSpark (DraftFreeKV) config"
+    unknown = sorted(set(d) - set(_PUBLIC_SETTINGS) - set(_PUBLIC_IGNORED) - set(_PUBLIC_UNSET) - set(_PUBLIC_READ))
+    if unknown:
+      raise ValueError(f"{where}: unknown keys {unknown}")
+    for key, (wanted, default) in _PUBLIC_SETTINGS.items():
+      if d.get(key, default) != wanted:
+        raise ValueError(f"{where}: {key} {d.get(key, default)!r} is another DraftFreeKV variant; only {key} "
+                         f"{wanted!r} (LongSpark's Global + Raw + Local drafter) is implemented")
+    set_keys = [k for k in _PUBLIC_UNSET if d.get(k) is not None]
+    if set_keys:
+      raise ValueError(f"{where}: {set_keys} must be null in the Global16 + Raw256 mode")
+    required = ("target_layer_ids", "num_target_layers", "block_size", "hidden_size", "num_key_value_heads",
+                "head_dim", "vocab_size", "mask_token_id", "qwen_intermediate_size", "qwen_num_attention_heads")
+    missing = [k for k in required if d.get(k) is None]
+    if missing:
+      raise ValueError(f"{where} lacks {missing}")
+    ids = tuple(int(i) for i in d["target_layer_ids"])
+    block = int(d["block_size"])
+    if int(d.get("parallel_mixer_layers", 5)) != len(ids):
+      raise ValueError(f"{where}: parallel_mixer_layers {d.get('parallel_mixer_layers', 5)} vs {len(ids)} "
+                       "target_layer_ids (one drafter layer per target layer read)")
+    if int(d.get("local_draft_rows", 7)) != block:
+      raise ValueError(f"{where}: local_draft_rows {d.get('local_draft_rows', 7)} vs block_size {block}")
+    arch = ModelConfig.from_hf_dict({
+        "model_type": "qwen3", "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
+        "intermediate_size": d["qwen_intermediate_size"], "num_hidden_layers": len(ids),
+        "num_attention_heads": d["qwen_num_attention_heads"], "num_key_value_heads": d["num_key_value_heads"],
+        "head_dim": d["head_dim"], "rope_theta": d.get("qwen_rope_theta", 1e6),
+        "rms_norm_eps": d.get("qwen_rms_norm_eps", 1e-6), "tie_word_embeddings": True,
+        "mask_token_id": d["mask_token_id"]})
+    slots = int(d.get("global_memory_slots", 16))
+    # "baseline16" adds log(16 / slots) to the slot logits: zero at the 16 slots the public code fixes
+    if d.get("global_query_slot_mass_mode", "system") != "system" and slots != 16:
+      raise ValueError(f"{where}: global_query_slot_mass_mode {d['global_query_slot_mass_mode']!r} with {slots} "
+                       "slots is not implemented (only 'system', or any mode at 16 slots)")
+    return cls(arch=arch, target_layer_ids=ids, num_target_layers=int(d["num_target_layers"]),
+               mask_token_id=int(d["mask_token_id"]), block_size=block, num_global_slots=slots,
+               raw_window=int(d.get("raw_target_rows", 256)), markov_rank=int(d.get("parallel_markov_rank", 0)))
 
   def check_target(self, target: ModelConfig) -> None:
     """The drafter reads the target's hidden states and K/V, and uses its embedding, final norm and LM head."""
