@@ -378,8 +378,8 @@ def test_seed_is_refused_under_greedy(model_dir, capsys):
 
 def test_another_methods_checkpoint_is_named():
   from longspec_jax.drafters import SHIPPED_DRAFTERS_DIR, load_drafter
-  with pytest.raises(ValueError, match=r"is a DFlashDraftModel checkpoint \(method dflash, dflash-budget\), not one "
-                                       r"for method eagle3 \(LlamaForCausalLMEagle3\)"):
+  with pytest.raises(ValueError, match=r"is a DFlashDraftModel checkpoint \(method dels, dflash, dflash-budget\), "
+                                       r"not one for method eagle3 \(LlamaForCausalLMEagle3 or "):
     load_drafter("eagle3", None, SHIPPED_DRAFTERS_DIR / "dflash")
   with pytest.raises(ValueError, match="is a LlamaForCausalLMEagle3 checkpoint .* not one for method dflash"):
     load_drafter("hybrid", None, SHIPPED_DRAFTERS_DIR / "eagle3", learned="dflash")

@@ -222,6 +222,38 @@ def test_public_local_head_formats_match_torch(target, tmp_path):
     load_public_local_head(tmp_path / "partial.pt", target, BLOCK)
 
 
+def test_public_release_in_a_dflash_directory_generates_equal_to_ar(target, tmp_path):
+  """DeLS-Spec's released files (local_head.pt: the full target embedding into the GRU, rank_to_hidden into the
+  target's LM head; loss_mask_unigram.pt: {"counts": [V]}) copied into a z-lab-layout DFlash directory load as
+  `dels` (alpha = beta = 0.3, the prior from the counts) and generate equal to AR; missing files are named."""
+  import torch
+  from longspec_jax.drafters import load_drafter
+  d = tmp_path / "dflash"
+  save_dflash_dir(_dflash_model(target), d)
+  with pytest.raises(ValueError, match="DeLS-Spec's local_head.pt and loss_mask_unigram.pt beside its config"):
+    load_drafter("dels", target, d)
+  h = target.cfg.hidden_size
+  gru, rank, out = _torch_local_head(h, 12, 6, V, seed=3, h_target=h)
+  sd = {"prefix_gru.weight_ih_l0": gru.weight_ih_l0, "prefix_gru.weight_hh_l0": gru.weight_hh_l0,
+        "rank_proj.weight": rank.weight, "rank_to_hidden.weight": out.weight}
+  mc = {"vocab_size": V, "embed_dim": h, "gru_hidden_dim": 12, "low_rank_dim": 6, "lm_head_mode": "target_lm_head",
+        "rank_activation": "identity"}
+  torch.save({"model_config": mc, "model_state_dict": {k: v.detach().clone() for k, v in sd.items()}},
+             d / "local_head.pt")
+  with pytest.raises(FileNotFoundError, match="loss_mask_unigram.pt is missing"):
+    load_drafter("dels", target, d)
+  counts = torch.arange(V, dtype=torch.float64)
+  torch.save({"counts": counts}, d / "loss_mask_unigram.pt")
+  dels = load_drafter("dels", target, d)
+  assert dels.spec.cfg.alpha == (0.3,) * (BLOCK - 1) and dels.spec.cfg.gru_start == "first_draft"
+  smoothed = counts.numpy() + 1.0
+  np.testing.assert_allclose(np.asarray(dels.params["head"]["log_prior"]), np.log(smoothed / smoothed.sum()),
+                             rtol=1e-5)
+  prompts = _prompts(2, [7, 20])
+  ar = generate(target, prompts, max_new_tokens=12, eos_id=-1).tokens
+  assert generate(target, prompts, max_new_tokens=12, eos_id=-1, drafter=dels, num_draft=BLOCK - 1).tokens == ar
+
+
 def test_checkpoint_round_trip_and_bad_input(target, tmp_path):
   save_dflash_dir(_dflash_model(target), tmp_path / "dflash")
   cfg = _cfg(alpha=0.0, beta=0.0).with_schedule(np.linspace(0.1, 0.8, BLOCK - 1), [0.05] * (BLOCK - 1))

@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "DeLSLocalHead"
 WEIGHTS_FILE = "model.safetensors"
+# DeLS-Spec's release (dt3t/DeLS-Spec-Weights/<target>/): the local head and the unigram counts of its training
+# tokens, both torch files. Copied beside the config.json of the z-lab DFlash they correct, they make that directory
+# a `dels` drafter (load_public_dels_dir).
+PUBLIC_HEAD_FILE = "local_head.pt"
+PUBLIC_PRIOR_FILE = "loss_mask_unigram.pt"
 GRU_STARTS = ("pending", "first_draft")
 ACTIVATIONS = ("identity", "silu")
 # Public state-dict name -> our head pytree key.
@@ -67,7 +72,7 @@ TENSOR_NAMES = {"embed_tokens.weight": "emb", "prefix_gru.weight_ih_l0": "w_ih",
 # `budget=N`: the head over BudgetDraft's sparse view of the DFlash context (`dflash-budget`), the combination
 # of two seeds whose state stays constant in the context.
 DRAFTERS = (DrafterEntry(name="dels", loader="load_dels", checkpoint="dels", options=("budget",),
-                         architectures=("DeLSLocalHead",),
+                         architectures=("DeLSLocalHead", "DFlashDraftModel"),
                          trainer="longspec_jax.training.train_dels:DeLSTrainConfig:train_dels"),
             # The local head over LongSpark (checkpoint: its alpha/beta and head, naming the LongSpark it corrects).
             DrafterEntry(name="longspark-dels", loader="load_dels", checkpoint="longspark-dels",
@@ -359,7 +364,9 @@ def read_dels_head(drafter_dir: str | os.PathLike, target: Transformer) -> tuple
   path = drafter_dir / "config.json"
   conf = read_config_json(path, "DeLS")
   if ARCHITECTURE not in (conf.get("architectures") or []):
-    raise ValueError(f"not a DeLS local-head config: {path} (architectures {conf.get('architectures')})")
+    hint = (f"; a DFlash directory drafts as DeLS with DeLS-Spec's {PUBLIC_HEAD_FILE} and {PUBLIC_PRIOR_FILE} "
+            "beside its config.json" if "DFlashDraftModel" in (conf.get("architectures") or []) else "")
+    raise ValueError(f"not a DeLS local-head config: {path} (architectures {conf.get('architectures')}){hint}")
   mc = conf["model_config"]
   cfg = DeLSConfig(vocab_size=int(mc["vocab_size"]), embed_dim=int(mc["embed_dim"]),
                    gru_hidden_dim=int(mc["gru_hidden_dim"]), low_rank_dim=int(mc["low_rank_dim"]),
@@ -382,7 +389,10 @@ def read_dels_head(drafter_dir: str | os.PathLike, target: Transformer) -> tuple
 def load_dels(drafter_dir: str | os.PathLike, target: Transformer, base_dir: str | os.PathLike | None = None,
               sharpdraft: SharpDraft | None = None, budget: int | None = None) -> LoadedDrafter:
   """Our DeLS directory: the local head, its alpha/beta, and the base block drafter it names (or `base_dir`);
-  `budget` puts the DFlash base on BudgetDraft's sparse view (load_base)."""
+  `budget` puts the DFlash base on BudgetDraft's sparse view (load_base). A DFlash directory holding DeLS-Spec's
+  released files loads as that release (load_public_dels_dir)."""
+  if base_dir is None and (Path(drafter_dir) / PUBLIC_HEAD_FILE).is_file():
+    return load_public_dels_dir(drafter_dir, target, sharpdraft, budget)
   cfg, head, conf = read_dels_head(drafter_dir, target)
   base = load_base(Path(base_dir) if base_dir else resolve_base_dir(Path(drafter_dir), conf["base_drafter"]),
                    target, sharpdraft, budget)
@@ -459,3 +469,28 @@ def load_public_dels(path: str | os.PathLike, base: LoadedDrafter, target: Trans
                      unigram_counts: np.ndarray | Sequence[float] | None = None) -> LoadedDrafter:
   cfg, head = load_public_local_head(path, target, base.spec.cfg.block_size, alpha, beta, unigram_counts)
   return dels_from_head(base, cfg, head)
+
+
+def read_public_unigram_counts(path: str | os.PathLike) -> np.ndarray:
+  """The token counts in DeLS-Spec's loss_mask_unigram.pt: a tensor, or a dict holding it under "counts"."""
+  import torch
+  stats = torch.load(str(path), map_location="cpu", weights_only=True)
+  counts = stats.get("counts") if isinstance(stats, dict) else stats
+  if not torch.is_tensor(counts):
+    raise ValueError(f"{path}: a DeLS-Spec unigram prior holds a count tensor, or a dict with one under 'counts'")
+  return counts.double().numpy().reshape(-1)
+
+
+def load_public_dels_dir(drafter_dir: str | os.PathLike, target: Transformer, sharpdraft: SharpDraft | None = None,
+                         budget: int | None = None) -> LoadedDrafter:
+  """A DFlash directory (z-lab's layout) holding DeLS-Spec's released local_head.pt and loss_mask_unigram.pt: the
+  head over that DFlash, at the public runtime's alpha = beta = 0.3 (its README's setting; the prior is add-one
+  smoothed counts, as its runtime's default)."""
+  drafter_dir = Path(drafter_dir)
+  prior = drafter_dir / PUBLIC_PRIOR_FILE
+  if not prior.is_file():
+    raise FileNotFoundError(f"{prior} is missing: DeLS-Spec's runtime subtracts beta * log p_unigram, from the "
+                            f"{PUBLIC_PRIOR_FILE} released beside {PUBLIC_HEAD_FILE}")
+  base = load_base(drafter_dir, target, sharpdraft, budget)
+  return load_public_dels(drafter_dir / PUBLIC_HEAD_FILE, base, target,
+                          unigram_counts=read_public_unigram_counts(prior))
