@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
     --minutes) MINUTES="$2"; shift ;;
     --out) OUT_DIR="$2"; shift ;;
     --work) WORK="$2"; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "device_train.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
