@@ -320,6 +320,27 @@ def test_imported_drafters_generate_equal_to_ar(targets, tmp_path):
     assert spec.tokens == ar.tokens, method
 
 
+def test_hf_llama_checkpoint_is_a_standalone_drafter(targets, tmp_path):
+  """BudgetDraft's public drafters are plain HF Llama checkpoints: a tiny LlamaForCausalLM saved by transformers
+  drafts, as is, for a Qwen3 target of the same vocabulary (lossless); another vocabulary is one error naming the
+  checkpoint. (PARD needs the mask token its training reserved, drafter.json's mask_token_id: not a plain model.)"""
+  from longspec_jax.inference.generate import generate
+  _, _, qwen = targets["qwen3"]
+  for vocab, name in ((V, "llama"), (V - 32, "other_vocab")):
+    torch.manual_seed(4)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=H, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HD,
+                                   max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / name)
+  prompts = [_tokens(9, 5)[0].tolist(), _tokens(6, 6)[0].tolist()]  # AR's program as in the test above
+  ar = generate(qwen, prompts, max_new_tokens=16, eos_id=-1)
+  spec = generate(qwen, prompts, max_new_tokens=16, eos_id=-1, num_draft=3,
+                  drafter=load_drafter("standalone", qwen, drafter_dir=tmp_path / "llama"))
+  assert spec.tokens == ar.tokens
+  with pytest.raises(ValueError, match=rf"other_vocab has a {V - 32}-token vocabulary, the target {V}: a standalone"):
+    load_drafter("standalone", qwen, drafter_dir=tmp_path / "other_vocab")
+
+
 @pytest.mark.parametrize("method,fmt", [("eagle3", "speculators"), ("dflash", "zlab")])
 def test_shipped_drafter_round_trip(tmp_path, method, fmt):
   """A shipped drafter (stored int8) exported (fp32) and imported again drafts the same tokens with the same

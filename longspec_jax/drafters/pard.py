@@ -149,16 +149,23 @@ def load_standalone(drafter_dir: str | os.PathLike, mode: str = "classic",
   return standalone_from_model(model, mode, meta.get("mask_token_id"), sharpdraft)
 
 
+def _for_target(loaded: LoadedDrafter, drafter_dir: str | os.PathLike, target: Transformer | None) -> LoadedDrafter:
+  """A standalone drafter reads only tokens: any HF Llama / Qwen3 checkpoint serves, given the target's vocabulary
+  (said here, naming the checkpoint, rather than when generation starts)."""
+  if target is not None and loaded.spec.vocab_size != target.cfg.vocab_size:
+    raise ValueError(f"drafter checkpoint {drafter_dir} has a {loaded.spec.vocab_size}-token vocabulary, the target "
+                     f"{target.cfg.vocab_size}: a standalone drafter must use the target's tokenizer")
+  return loaded
+
+
 def load_classic(drafter_dir: str | os.PathLike, target: Transformer,
                  sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
-  del target  # a standalone drafter reads only tokens
-  return load_standalone(drafter_dir, "classic", sharpdraft)
+  return _for_target(load_standalone(drafter_dir, "classic", sharpdraft), drafter_dir, target)
 
 
 def load_pard(drafter_dir: str | os.PathLike, target: Transformer,
               sharpdraft: SharpDraft | None = None) -> LoadedDrafter:
-  del target
-  return load_standalone(drafter_dir, "pard", sharpdraft)
+  return _for_target(load_standalone(drafter_dir, "pard", sharpdraft), drafter_dir, target)
 
 
 # ---------------------------------------------------------------- the training-time forward (trainers and tests)
