@@ -428,7 +428,7 @@ def _ttt_attention(q, k0, v0, diag_k, diag_v):
   return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def shifted_rows(rows, shift: int, pad_id: int):
+def shifted_rows(rows: jax.Array, shift: int, pad_id: int) -> jax.Array:
   """rows[:, shift:] ([B, W, ...]) right-padded with pad_id back to the same width."""
   pad = jnp.full((rows.shape[0], shift) + rows.shape[2:], pad_id, rows.dtype)
   return jnp.concatenate([rows[:, shift:], pad], axis=1)

@@ -601,15 +601,15 @@ def longspark_train_logits(model: LongSparkModel, io: dict, boundary: jax.Array,
   return logits + model.markov_bias(prev)
 
 
-def window_summaries(model, batch):
-  # The slab's first W rows lie before pre_len (see AnchorSampler): only the rows after them can enter the Global
-  # summaries of the anchors, so the per-anchor merge skips them.
+def window_summaries(model: LongSparkModel, batch: dict) -> jax.Array:
+  """anchor_summaries of a training batch. The slab's first W rows lie before pre_len (see AnchorSampler): only the
+  rows after them can enter the Global summaries of the anchors, so the per-anchor merge skips them."""
   w = model.cfg.raw_window
   return anchor_summaries(model, batch["pre_k"], batch["pre_v"], batch["pre_len"], batch["slab_k"][:, :, w:],
                           batch["slab_v"][:, :, w:], batch["slab_pos"][:, w:], batch["anchors"])
 
 
-def shift_window(model, batch):
+def shift_window(model: LongSparkModel, batch: dict) -> dict:
   """Moves every window to positions + shift [B]. The target's only position signal is RoPE, so the same text at
   later positions has the same hidden states and its keys rotated by R(shift) (RoPE rotations compose): this
   shows the drafter its one absolute-position-dependent score, block query . Global key (no RoPE on the keys), at
