@@ -189,6 +189,9 @@ def main():
                  "documents (the index's) and add its +global columns")
   p.add_argument("--split", default="train", help="the corpus split of --arctic-global and the held-out check")
   p.add_argument("--arctic-depth", type=int, default=24, help="arctic's max_tree_depth for the global cache")
+  p.add_argument("--memory", action="store_true",
+                 help="add suffix+index+memory: the index updated with each earlier prompt's continuation (the "
+                      "prompts replayed in order as one session of generations; never a prompt's own)")
   p.add_argument("--pairs", default="suffix+index-prompt-lookup",
                  help="comma-separated A-B column pairs: mean paired difference with a bootstrap CI")
   p.add_argument("--out", help="write the per-prompt taus here (JSON)")
@@ -211,8 +214,9 @@ def main():
   prompts = {p["index"]: p for p in res["prompts"]}
   index, corpus_docs = None, None
   if a.suffix_index:
-    from longspec_jax.suffix_index import load_index
+    from longspec_jax.suffix_index import load_index, update_index
     index = load_index(a.suffix_index, mcfg.vocab_size, tok)
+  memory = index
   if a.arctic_global:
     from longspec_jax.training.data import load_corpus
     split = load_corpus(a.arctic_global)[a.split]
@@ -249,6 +253,8 @@ def main():
     drafters["suffix"] = ours_suffix(mcfg.vocab_size, buf)
     if index is not None:
       drafters["suffix+index"] = ours_suffix(mcfg.vocab_size, buf, index)
+      if a.memory:
+        drafters["suffix+index+memory"] = ours_suffix(mcfg.vocab_size, buf, memory)
       for v in a.variant:
         name, opts = v.split(":", 1)
         opts = {k: float(x) if "." in x else int(x) for k, x in (o.split("=") for o in opts.split(","))}
@@ -259,6 +265,8 @@ def main():
       row[name] = replay(ids, cont, fn, k)[0]
       if hasattr(fn, "close"):
         fn.close()
+    if a.memory:  # this generation becomes a past output for the next prompts
+      memory = update_index(memory, [ids[-memory.orders[-1]:] + cont])
     rows.append(row)
     print(json.dumps(row))
   names = [n for n in rows[0] if n not in ("context", "prompt", "recorded")]
