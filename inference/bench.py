@@ -58,12 +58,13 @@ def run_bench(model: Transformer, tok: Tokenizer, method: str, text: str, contex
               sharpdraft: str = "off",
               log: Callable[[str], None] | None = None, budget: int | None = None,
               draft_length: DraftLengthRule | str | None = None, learned: str | None = None,
-              draft_vocab: int | None = None, parts: str | None = None, tree: DraftTree | str | None = None) -> dict:
+              draft_vocab: int | None = None, parts: str | None = None, tree: DraftTree | str | None = None,
+              suffix_index: str | Path | None = None) -> dict:
   """One method vs AR on the same prompts: each call prepared once (`engine.prepare`: checks, K, buckets), then
   compiled, run and timed from that. `log(message)` reports each phase (the CLI prints it to stderr)."""
   log = log or (lambda msg: None)
   drafter = load_drafter(method, model, drafter_dir, sharpdraft=sharpdraft, budget=budget, learned=learned,
-                         draft_vocab=draft_vocab, parts=parts)
+                         draft_vocab=draft_vocab, parts=parts, suffix_index=suffix_index)
   prompts = bench_prompts(tok.encode(text).ids, context, batch, model.cfg.bos_token_id)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
   # Each call as generate() runs it: checks, K (the drafter's default when None), buckets.
@@ -78,7 +79,8 @@ def run_bench(model: Transformer, tok: Tokenizer, method: str, text: str, contex
          "draft_length": spec_call[0].draft_length.to_json() if spec_call and spec_call[0].draft_length else "fixed",
          "ar_tokens_per_s": ar_tps, "ar_prefill_ms": 1000 * ar_prefill,
          "ar_decode_ms": 1000 * ar_decode, "ar_tokens": ar.tokens[0]}
-  out.update(given_options(budget=budget, learned=learned, draft_vocab=draft_vocab))
+  out.update(given_options(budget=budget, learned=learned, draft_vocab=draft_vocab,
+                           suffix_index=None if suffix_index is None else str(suffix_index)))
   if spec_call and spec_call[0].tree is not None:
     out["tree"] = str(spec_call[0].tree)
   if drafter is None:
