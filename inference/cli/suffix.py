@@ -43,7 +43,7 @@ def cmd_build_suffix_index(a: argparse.Namespace) -> int:
   from tqdm import tqdm
 
   from longspec_jax.config import ModelConfig
-  from longspec_jax.suffix_index import BYTES_PER_SLOT, build_index, save_index, tokenizer_sha256
+  from longspec_jax.suffix_index import BYTES_PER_SLOT, DEFAULT_ORDERS, build_index, save_index, tokenizer_sha256
   from longspec_jax.tokenizer import load_tokenizer
 
   cap = a.max_mb * 2 ** 20
@@ -58,8 +58,9 @@ def cmd_build_suffix_index(a: argparse.Namespace) -> int:
   vocab = ModelConfig.from_json_file(target_dir / "config.json").vocab_size
   docs = [np.asarray(tok.encode(t).ids, np.int32)
           for t in tqdm(texts, desc="tokenize", unit="doc", disable=a.quiet)]
-  log(f"{len(docs):,} documents, {sum(map(len, docs)):,} tokens; counting contexts of orders {list(a.orders)}")
-  index = build_index(docs, vocab, tokenizer_sha256(tok), a.slots, a.orders, a.min_count, progress=log)
+  log(f"{len(docs):,} documents, {sum(map(len, docs)):,} tokens; counting contexts")
+  orders = a.orders or DEFAULT_ORDERS
+  index = build_index(docs, vocab, tokenizer_sha256(tok), a.slots, orders, a.min_count, progress=log)
   save_index(index, a.out, cap)
   print(f"wrote {a.out}: {index.used:,} of {index.slots:,} slots used, {index.nbytes / 2 ** 20:.0f} MiB, orders "
         f"{list(index.orders)}")
@@ -67,7 +68,6 @@ def cmd_build_suffix_index(a: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-  from longspec_jax.suffix_index import DEFAULT_ORDERS
   c = add_command(sub, "build-suffix-index", "the suffix drafter's global n-gram index from a corpus",
       "Count the n-gram contexts of a corpus (a `longspec corpus` folder's split, or every\n"
       "file matching --glob under a folder) and keep each context's most frequent next\n"
@@ -81,8 +81,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   c.add_argument("--slots", type=power_of_two, default=2 ** 21, help="table slots, a power of two (16 B each)")
   c.add_argument("--max-mb", type=positive_int, default=256, help="the cap on the table's size, recorded in the "
                  "file (a reader refuses a file over its cap)")
-  c.add_argument("--orders", type=ascending_lengths, default=list(DEFAULT_ORDERS),
-                 help="the context lengths indexed, comma-separated")
+  c.add_argument("--orders", type=ascending_lengths, metavar="N,N,...",
+                 help="the context lengths indexed, comma-separated (default: 1,2,3,4,6,8,12,16)")
   c.add_argument("--min-count", type=positive_int, default=2, help="contexts seen fewer times are left out")
   add_output_flags(c, json_help="")
   c.set_defaults(fn=cmd_build_suffix_index)
