@@ -27,11 +27,12 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from longspec_jax.config import read_config_json
+
+if TYPE_CHECKING:
+  import numpy as np  # imported where used: `longspec --help` builds this module's choices without numpy
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -69,6 +70,7 @@ def detect_layout(cfg: dict) -> str | None:
 
 def read_drafter_checkpoint(drafter_dir: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
   """(config.json, tensors as numpy; int8 storage read back as fp32) of a drafter directory."""
+  import numpy as np
   from longspec_jax.hf_io import _read_tensors
   drafter_dir = Path(drafter_dir)
   cfg = read_config_json(drafter_dir / "config.json", "drafter")
@@ -301,6 +303,7 @@ def _eagle3_specforge(cfg: dict, tensors: dict) -> tuple[dict, dict]:
 
 def _with_vocab_maps(cfg: dict, tensors: dict) -> dict:
   """d2t / t2d present (identity when the draft vocabulary is the full one)."""
+  import numpy as np
   tensors = dict(tensors)
   n, v = int(cfg.get("draft_vocab_size") or cfg["vocab_size"]), int(cfg["vocab_size"])
   d2t = np.asarray(tensors.get("d2t", np.zeros(n)), np.int64)
@@ -372,6 +375,7 @@ def _dflash_speculators(cfg: dict, tensors: dict, verifier: str | None) -> tuple
 
 def _write(out_dir: str | os.PathLike, cfg: dict, tensors: dict, dtype: str) -> Path:
   """config.json (dtype recorded as transformers writes it) + model.safetensors, floating tensors cast."""
+  import numpy as np
   import ml_dtypes
   from safetensors.numpy import save_file
   target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
