@@ -181,8 +181,9 @@ def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
     # Cache rows and new rows alike through integer products of the int8 rows (the new ones quantized here, as
     # they will be written): a row reads the same whether this pass wrote it or an earlier one did.
     (kq_new, ks_new), (vq_new, vs_new) = quantize_kv(_kv_major(k)), quantize_kv(_kv_major(v))
-    q_scale = _row_scale(qg)
-    q_parts = _int8_parts(qg, q_scale)
+    q32 = qg.astype(jnp.float32)  # the parts split fp32 rows, whatever the activations' dtype
+    q_scale = _row_scale(q32)
+    q_parts = _int8_parts(q32, q_scale)
     score = lambda kq, ks: _from_parts(_int8_product("nrd,nsd->nrs", q_parts, kq), q_scale) * ks[:, None, :]
     sc_cache = score(k_cache.reshape(n, s, d), k_scale.reshape(n, s))
     sc_new = score(kq_new, ks_new)
