@@ -455,7 +455,9 @@ def test_train_eagle3_sharded_resumes_exactly_and_exports(train_env, tmp_path):
   final = Path(res["straight"])
   cfg = json.loads((final / "config.json").read_text())
   info = json.loads((final / "drafter.json").read_text())
-  assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1] and cfg["n0"] == 16
+  # taps [2, 2, 1] are layer inputs (top level, as vLLM reads them); eagle_config holds SpecForge's layer outputs
+  assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1] and cfg["n0"] == 16
+  assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
   assert info["n0"] == 16 and info["ttt_steps"] == 3 and len(info["val_top1_per_step"]) == 3
   assert info["final_loss"] == log_a[-1]["loss"]
   target = load_model_dir(train_env / "target")
