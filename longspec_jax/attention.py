@@ -33,21 +33,26 @@ def _kv_major(x):
   return x.transpose(0, 2, 1, 3).reshape(b * h, s, d)
 
 
-KV_PARTS = 3  # int8 parts per query / probability row over an int8 cache (see _int8_parts)
+KV_PARTS = 3  # int8 parts per query / probability row over an int8 cache (see _int8_rows)
 
 
-def _int8_parts(x: jax.Array, scale: jax.Array) -> jax.Array:
+def int8_parts(u: jax.Array, num_parts: int) -> list[jax.Array]:
+  """u (entries within +-127) as num_parts rounded parts p0, p1, ... with u ~ p0 + p1 / 254 + p2 / 254**2 + ...: each
+  part is the rounded residual of the ones before it, times 254, so every part fits in int8."""
+  parts = []
+  for _ in range(num_parts):
+    p = jnp.round(u)
+    parts.append(p)
+    u = (u - p) * 254.0
+  return parts
+
+
+def _int8_rows(x: jax.Array, scale: jax.Array) -> jax.Array:
   """x [N, R, C] ~ scale [N, R, 1] * (p0 + p1 / 254 + p2 / 254**2) as int8 rows [N, 3R, C] (p0 rows, p1 rows, p2
   rows), as `model.int8_matmul` splits activations: the split is continuous in x up to ~1e-7 of the row's largest
   entry, so float noise between a one-row and a many-row pass stays float noise (with two parts, its ~3e-5 steps
   moved logits by ~3e-4)."""
-  u = x / scale
-  parts = []
-  for _ in range(KV_PARTS):
-    p = jnp.round(u)
-    parts.append(p)
-    u = (u - p) * 254.0
-  return jnp.concatenate(parts, axis=1).astype(jnp.int8)
+  return jnp.concatenate(int8_parts(x / scale, KV_PARTS), axis=1).astype(jnp.int8)
 
 
 def _row_scale(x: jax.Array) -> jax.Array:
@@ -56,7 +61,7 @@ def _row_scale(x: jax.Array) -> jax.Array:
 
 
 def _from_parts(acc: jax.Array, scale: jax.Array) -> jax.Array:
-  """The inverse of `_int8_parts` after an integer product: int32 [N, 3R, C'] -> fp32 [N, R, C']."""
+  """The inverse of `_int8_rows` after an integer product: int32 [N, 3R, C'] -> fp32 [N, R, C']."""
   r = acc.shape[1] // KV_PARTS
   acc = acc.astype(jnp.float32)
   y = acc[:, (KV_PARTS - 1) * r:]
@@ -183,7 +188,7 @@ def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
     (kq_new, ks_new), (vq_new, vs_new) = quantize_kv(_kv_major(k)), quantize_kv(_kv_major(v))
     q32 = qg.astype(jnp.float32)  # the parts split fp32 rows, whatever the activations' dtype
     q_scale = _row_scale(q32)
-    q_parts = _int8_parts(q32, q_scale)
+    q_parts = _int8_rows(q32, q_scale)
     score = lambda kq, ks: _from_parts(_int8_product("nrd,nsd->nrs", q_parts, kq), q_scale) * ks[:, None, :]
     sc_cache = score(k_cache.reshape(n, s, d), k_scale.reshape(n, s))
     sc_new = score(kq_new, ks_new)
@@ -209,8 +214,8 @@ def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
     w_cache, w_new = p_cache * v_scale.reshape(n, 1, s), p_new * vs_new[:, None, :]
     w_scale = jnp.maximum(w_cache.max(-1), w_new.max(-1))[..., None] / 127.0
     w_scale = jnp.where(w_scale > 0, w_scale, 1.0)
-    o = _from_parts(_int8_product("nrs,nsd->nrd", _int8_parts(w_cache, w_scale), v_cache.reshape(n, s, d))
-                    + _int8_product("nrs,nsd->nrd", _int8_parts(w_new, w_scale), vq_new), w_scale)
+    o = _from_parts(_int8_product("nrs,nsd->nrd", _int8_rows(w_cache, w_scale), v_cache.reshape(n, s, d))
+                    + _int8_product("nrs,nsd->nrd", _int8_rows(w_new, w_scale), vq_new), w_scale)
   else:
     o = (jnp.einsum("nrs,nsd->nrd", p_cache.astype(v_cache.dtype), v_cache.reshape(n, s, d),
                     preferred_element_type=jnp.float32)

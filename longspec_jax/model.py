@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from longspec_jax.attention import causal_attention, extend_attention
+from longspec_jax.attention import causal_attention, extend_attention, int8_parts
 from longspec_jax.config import ModelConfig
 from longspec_jax.kv_cache import KVCache, check_kv_dtype, kv_round_trip
 from longspec_jax.rope import apply_rope, rope_frequencies
@@ -72,12 +72,7 @@ def int8_matmul(x: jax.Array, w_int8: jax.Array, w_scale: jax.Array, spec: str,
   n = rows.shape[0]
   s = jnp.max(jnp.abs(rows), axis=-1, keepdims=True) / 127.0
   s = jnp.where(s > 0, s, 1.0)
-  u = rows / s
-  parts = []
-  for _ in range(INT8_PARTS):
-    q = jnp.round(u)
-    parts.append(q)
-    u = (u - q) * 254.0
+  parts = int8_parts(rows / s, INT8_PARTS)
   pad = max(0, 4 - INT8_PARTS * n)
   stacked = jnp.concatenate(parts + ([jnp.zeros((pad, rows.shape[1]), rows.dtype)] if pad else []))
   acc = jnp.einsum(spec, stacked.astype(jnp.int8), w_int8, preferred_element_type=jnp.int32).astype(jnp.float32)
