@@ -47,15 +47,7 @@ mkdir -p "$OUT_DIR" "$WORK"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 WORK=$(cd "$WORK" && pwd)
 export PYTHONUNBUFFERED=1
-# Not installed (a bare accelerator image): this checkout through a folder of links, as scripts/device_check.sh.
-if ! (cd / && "$PY" -c "import longspec_jax.inference") 2>/dev/null; then
-  SRC_LINKS=$(mktemp -d)/src
-  mkdir -p "$SRC_LINKS/longspec_jax"
-  for f in "$PWD"/longspec_jax/*; do ln -s "$f" "$SRC_LINKS/longspec_jax/"; done
-  for d in inference training pallas_kernels; do ln -s "$PWD/$d" "$SRC_LINKS/longspec_jax/$d"; done
-  export PYTHONPATH="$SRC_LINKS${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
-  echo "device_train: longspec_jax is not installed; using this checkout through $SRC_LINKS"
-fi
+source "$(dirname "$0")/use_checkout.sh" device_train  # the checkout as the package when not installed
 LONGSPEC=("$PY" -m longspec_jax.inference.cli)
 BACKEND=$("$PY" -c "import jax; print(jax.default_backend())")
 echo "device_train: backend $BACKEND, dry run $DRY_RUN, budget $MINUTES min, results in $OUT_DIR, work in $WORK"

@@ -12,9 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "device_check.sh"
 
 
-def _run(*args, **kw):
+def run_script(script: Path, *args, **kw) -> subprocess.CompletedProcess:
   env = dict(os.environ)  # the suite's compilation cache (conftest)
-  return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
+  return subprocess.run(["bash", str(script), *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
+
+
+def _run(*args, **kw):
+  return run_script(SCRIPT, *args, **kw)
 
 
 def test_bad_arguments_and_no_accelerator(tmp_path):

@@ -3,19 +3,18 @@ both trainers under their time budgets, the int8 copies and their held-out score
 target, so the script is known to work before a GPU is lent."""
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.test_device_check import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "device_train.sh"
 
 
 def _run(*args, **kw):
-  env = dict(os.environ)  # the suite's compilation cache (conftest)
-  return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
+  return run_script(SCRIPT, *args, **kw)
 
 
 def test_bad_arguments_and_no_accelerator(tmp_path):
