@@ -140,6 +140,21 @@ def train_to_export(run: Any, loss_fn: Callable, batch_fn: Callable[[int], dict]
   return params, None
 
 
+
+
+def train_store_drafter(run: Any, cfg: Any, graphdef: nnx.GraphDef, loss_fn: Callable,
+                        batch_fn: Callable[[int], dict], stats_fn: Callable[[Any, dict], dict], val_sampler: Any, *,
+                        desc: str, tokens_per_step: int) -> tuple[nnx.Module | None, dict, Path | None]:
+  """train_to_export for a run on a distillation store, held-out metrics (store_evaluator of `stats_fn` over
+  cfg.val_windows windows of `val_sampler`) logged while training and taken once more at the end: (the trained
+  drafter, its held-out metrics, None) on the process that exports it, else (None, {}, the directory to report)."""
+  evaluate = store_evaluator(stats_fn, val_sampler, cfg.batch_size, cfg.val_windows)
+  trained, stopped = train_to_export(run, loss_fn, batch_fn, tokens_fn=lambda s: tokens_per_step, desc=desc,
+                                     evaluate=evaluate)
+  if stopped:
+    return None, {}, stopped
+  return nnx.merge(graphdef, trained), evaluate(trained), None
+
 def last_logged(out_dir: str | Path) -> dict:
   """The last line of a run's train_log.jsonl ({} before the first log or with no log: nothing trained)."""
   path = Path(out_dir) / "train_log.jsonl"

@@ -39,8 +39,8 @@ from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
 
 @dataclasses.dataclass(frozen=True)
 class BudgetTrainConfig(RunConfig):
+  """`longspec train-drafter --drafter budget`: BudgetDraft fine-tuning of a PARD drafter."""
   data_dir: str = "runs/drafter_data_long"
-  target_dir: str = ""  # "" = the target recorded in the data's manifest
   init_dir: str = ""  # drafter checkpoint to fine-tune ("" = the shipped PARD / standalone drafter)
   out_dir: str = "runs/drafter_budget"
   budgets: tuple[int, ...] = (64, 128, 256, 512)  # drawn per step ...

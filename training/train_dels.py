@@ -40,7 +40,7 @@ from longspec_jax.training.drafter_common import (block_loss, check_token_ids, k
                                                   train_to_export, trained_head, write_drafter_json)
 from longspec_jax.drafters.dflash import dflash_train_logits, train_batch_logits
 from longspec_jax.training.train_dflash import BlockSampler, dflash_store_sampler
-from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
+from longspec_jax.training.trainer import DataDirsRunConfig, start_run
 
 if TYPE_CHECKING:
   from longspec_jax.model import Transformer
@@ -48,10 +48,9 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeLSTrainConfig(StoreRunConfig):
-  data_dirs: tuple[str, ...] = ("runs/drafter_data",)
+class DeLSTrainConfig(DataDirsRunConfig):
+  """`longspec train-drafter --drafter dels`: a DeLS-Spec local head over a frozen DFlash."""
   base: str = "dflash"  # the frozen DFlash: a shipped drafter name or a directory
-  target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
   out_dir: str = "runs/drafter_dels"
   embed_dim: int = 64  # E
   gru_hidden_dim: int = 256  # G
@@ -60,9 +59,7 @@ class DeLSTrainConfig(StoreRunConfig):
   context_len: int = 512  # window length the blocks are cut from (only the block tokens are read)
   anchors_per_window: int = 16
   gamma: float = 7.0  # slot-weight decay exp(-(k-1)/gamma)
-  batch_size: int = 8
   steps: int = 1200
-  optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
   val_fraction: float = 0.1
   val_windows: int = 40
   val_anchors: int = 48

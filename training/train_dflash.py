@@ -32,11 +32,11 @@ from longspec_jax.training.feature_cache import open_row_taps, with_taps
 from longspec_jax.training.losses import cross_entropy
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, check_token_ids, copy_target_layers,
                                                   draw_windows, fold_input_scale, inverse_median_scale,
-                                                  kept_store_split, last_logged, load_data_dirs, make_tap_fn,
-                                                  pad_token, split_indices, store_evaluator, store_head, store_record,
-                                                  store_target, train_to_export, trained_head, write_draft_vocab,
-                                                  write_drafter_json)
-from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
+                                                  kept_store_split, last_logged, load_data_dirs, make_tap_fn, pad_token,
+                                                  split_indices, store_evaluator, store_head,
+                                                  store_record, store_target, train_store_drafter, train_to_export,
+                                                  trained_head, write_draft_vocab, write_drafter_json)
+from longspec_jax.training.trainer import DataDirsRunConfig, start_run, start_store_run
 
 if TYPE_CHECKING:
   from longspec_jax.model import Transformer
@@ -45,9 +45,8 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashTrainConfig(StoreRunConfig):
-  data_dirs: tuple[str, ...] = ("runs/drafter_data",)
-  target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
+class DFlashTrainConfig(DataDirsRunConfig):
+  """`longspec train-drafter --drafter dflash`: a DFlash block drafter over the target's taps."""
   out_dir: str = "runs/drafter_dflash"
   num_layers: int = 2  # drafter decoder layers
   model: dict = dataclasses.field(default_factory=dict)  # drafter layer overrides, e.g. intermediate_size
@@ -71,10 +70,7 @@ class DFlashTrainConfig(StoreRunConfig):
   anywhere_fraction: float = 0.0
   anchors_per_window: int = 16
   gamma: float = 7.0  # slot-weight decay exp(-(k-1)/gamma)
-  batch_size: int = 8
   steps: int = 600
-  optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
-  val_fraction: float = 0.05
   val_windows: int = 64
   compute_dtype: str = "bfloat16"
   # With store_dir (StoreRunConfig; the drafter's taps in the store's --taps) it trains, instead of data_dirs, on
@@ -387,13 +383,11 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
   if cfg.init_from_target:
     copy_target_layers(model.layers, target.layers[-cfg.num_layers:])
   train_tokens = int(train_sampler.windows.lens.sum())
-  print(f"DFlash drafter from the distillation store {store.dir}: {param_count(model) / 1e6:.2f}M parameters, target "
-        f"layers {dcfg.target_layer_ids}, {len(train_w)} train windows ({train_tokens} tokens) / {len(val_w)} "
-        f"held-out, draft vocabulary {cfg.draft_vocab_size or target.cfg.vocab_size}, loss {kind}, window "
-        f"{cfg.context_len} x {cfg.anchors_per_window} anchors, block {cfg.block_size}")
-
-  graphdef, params = nnx.split(model)
-  run = start_run(cfg, params, resume=resume, record=dataclasses.asdict(cfg))
+  graphdef, _, run = start_store_run(
+      cfg, model, resume=resume, what="DFlash drafter", store=store, train_w=train_w, val_w=val_w,
+      train_tokens=train_tokens, details=f"target layers {dcfg.target_layer_ids}, draft vocabulary "
+      f"{cfg.draft_vocab_size or target.cfg.vocab_size}, loss {kind}, window {cfg.context_len} x "
+      f"{cfg.anchors_per_window} anchors, block {cfg.block_size}")
   local_extra = {"io": target_io(target)}
   if draft_ids is not None:
     local_extra["io"], local_extra["t2d"] = store_head(local_extra["io"], draft_ids)
@@ -411,15 +405,12 @@ def train_dflash_from_store(cfg: DFlashTrainConfig, resume: bool) -> Path:
     return dflash_loss(nnx.merge(graphdef, p), batch, kind)
 
   stats = block_stats_fn(lambda p, batch: train_batch_logits(nnx.merge(graphdef, p), batch), kind)
-  evaluate = store_evaluator(lambda p, b: stats(p, {**cast(b), **local_extra}), val_sampler, cfg.batch_size,
-                             cfg.val_windows)
   t0 = time.time()
-  trained, stopped = train_to_export(run, loss_fn, batch_fn, desc="train-drafter dflash (store)",
-                                     tokens_fn=lambda s: cfg.batch_size * cfg.context_len, evaluate=evaluate)
+  trained, held_out, stopped = train_store_drafter(
+      run, cfg, graphdef, loss_fn, batch_fn, lambda p, b: stats(p, {**cast(b), **local_extra}), val_sampler,
+      desc="train-drafter dflash (store)", tokens_per_step=cfg.batch_size * cfg.context_len)
   if stopped:
     return stopped
-  held_out = evaluate(trained)
-  trained = nnx.merge(graphdef, trained)
   if scale is not None:
     fold_input_scale(trained.fc, scale)
   last = last_logged(cfg.out_dir)

@@ -33,21 +33,20 @@ from flax import nnx
 from longspec_jax.drafters.budget import CHUNK, dflash_multiview_logits
 from longspec_jax.drafters.dflash import DFlashModel, load_dflash_model, save_dflash_dir
 from longspec_jax.drafters.frozen_target import DRAFT_VOCAB_FILE, target_io
-from longspec_jax.model import param_count
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, last_logged, pad_token,
                                                   store_evaluator, store_record, store_target, train_to_export,
                                                   trained_head, write_drafter_json)
 from longspec_jax.training.drafter_data import target_name, weights_sha256
 from longspec_jax.training.train_budget import check_budget_draw, multiview_record
 from longspec_jax.training.train_dflash import StoreBlockSampler
-from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
+from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_store_run
 
 
 @dataclasses.dataclass(frozen=True)
 class DFlashBudgetTrainConfig(StoreRunConfig):
+  """`longspec train-drafter --drafter dflash-budget`: BudgetDraft multi-view fine-tuning of a DFlash drafter."""
   store_dir: str = "runs/distill_smollm2"
   init_dir: str = ""  # the DFlash checkpoint to fine-tune ("" = the one shipped for the store's target)
-  target_dir: str = ""  # "" = the target the store records
   out_dir: str = "runs/drafter_dflash_budget"
   budgets: tuple[int, ...] = (64, 128, 256, 512)  # drawn per step ...
   budget_probs: tuple[float, ...] = (0.25, 0.25, 0.25, 0.25)  # ... with these probabilities
@@ -155,16 +154,13 @@ def train_dflash_budget(cfg: DFlashBudgetTrainConfig, resume: bool = True) -> Pa
                   **{f"sparse_{b}": (sampler(val_w, cfg.seed + 1, 1e9, b), 1) for b in cfg.budgets}}
   local_extra = trained_head(target_io(target), init_dir)  # the head over the drafter's draft vocabulary
   train_tokens = int(train_sampler.windows.lens.sum())
-  print(f"BudgetDraft fine-tune of the DFlash drafter {init_dir} ({param_count(model) / 1e6:.2f}M parameters) from "
-        f"the distillation store {store.dir}: {len(train_w)} train windows ({train_tokens} tokens) / {len(val_w)} "
-        f"held-out, budgets {cfg.budgets} w.p. {cfg.budget_probs}, windows of {cfg.context_len}, prompt >= "
-        f"{cfg.min_prompt}, loss {cfg.distill}")
-
-  graphdef, params = nnx.split(model)
+  graphdef, params, run = start_store_run(
+      cfg, model, resume=resume, what=f"BudgetDraft fine-tune of the DFlash drafter {init_dir}", store=store,
+      train_w=train_w, val_w=val_w, train_tokens=train_tokens, details=f"budgets {cfg.budgets} w.p. "
+      f"{cfg.budget_probs}, windows of {cfg.context_len}, prompt >= {cfg.min_prompt}, loss {cfg.distill}")
   held_out = held_out_evaluator(graphdef, val_samplers, local_extra, cfg, dtype)
-  initial = held_out(params)
+  initial = held_out(params)  # the fine-tune's starting point (also on a resumed run)
   print("held-out tau_sim before:", {k: v["val_tau_sim"] for k, v in initial.items()}, flush=True)
-  run = start_run(cfg, params, resume=resume, record=dataclasses.asdict(cfg))
   extra = {k: run.replicate(v) for k, v in local_extra.items()}
 
   def batch_fn(step):

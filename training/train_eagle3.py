@@ -28,23 +28,23 @@ from longspec_jax.drafters.eagle3 import (Eagle3Net, create_eagle3_net, default_
 from longspec_jax.model import param_count
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.feature_cache import open_row_taps, with_taps
-from longspec_jax.training.drafter_common import (data_target, draft_vocab_from_counts, draw_windows, last_logged,
-                                                  kept_store_split, pad_token, split_rows, store_evaluator,
-                                                  store_record, store_target, train_to_export, write_drafter_json)
+from longspec_jax.training.drafter_common import (data_target, draft_vocab_from_counts, draw_windows, kept_store_split,
+                                                  last_logged, pad_token, split_rows, store_evaluator,
+                                                  store_record, store_target, train_store_drafter, train_to_export,
+                                                  write_drafter_json)
 from longspec_jax.training.losses import topk_distillation
-from longspec_jax.training.trainer import OptimConfig, StoreRunConfig, start_run
+from longspec_jax.training.trainer import DataDirsRunConfig, Run, start_run, start_store_run
 
 if TYPE_CHECKING:
+  from longspec_jax.config import ModelConfig
   from longspec_jax.drafters.base import LoadedDrafter
   from longspec_jax.model import Transformer
   from longspec_jax.training.feature_cache import RowTaps
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3TrainConfig(StoreRunConfig):
-  # make-drafter-data outputs; incomplete ones (no manifest.json + dataset/) are skipped, at least one must exist
-  data_dirs: tuple[str, ...] = ("runs/drafter_data",)
-  target_dir: str = ""  # "" = the target recorded in the data's manifest
+class Eagle3TrainConfig(DataDirsRunConfig):
+  """`longspec train-drafter --drafter eagle3`: an EAGLE-3 drafter, training-time test."""
   out_dir: str = "runs/drafter_eagle3"
   model: dict = dataclasses.field(default_factory=dict)  # heads / head_dim / intermediate_size overrides
   aux_layers: tuple[int, ...] = ()  # () = default_aux_layers(L)
@@ -58,10 +58,6 @@ class Eagle3TrainConfig(StoreRunConfig):
   context_len: int = 512  # W: tokens per training window (n0, the context the drafter is trained at)
   ttt_steps: int = 4  # unrolled drafting steps per window
   step_decay: float = 0.8  # weight of step j = step_decay ** j
-  batch_size: int = 8
-  steps: int = 500
-  optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
-  val_fraction: float = 0.05
   val_windows: int = 64
   compute_dtype: str = "bfloat16"
   attn_block: int = 512
@@ -246,8 +242,15 @@ def train_eagle3(cfg: Eagle3TrainConfig, resume: bool = True) -> Path:
                                      desc="train-eagle3")
   if stopped:
     return stopped
-  return export_eagle3(nnx.merge(graphdef, trained), target, cfg, aux, target_dir, data, (val_rows, val_ids),
-                       pad_id, draft_ids, cached, time.time() - t0)
+  net = nnx.merge(graphdef, trained)
+  record = {
+      "data": [{"dir": str(Path(d).resolve()), **m["counts"], "temperature": m["settings"]["temperature"],
+                "greedy_fraction": m["settings"]["greedy_fraction"]} for d, _, m in data],
+      "loss": "ce",
+      "target_taps_from": "feature cache" if cached else "target forward per step",
+      **validation_metrics(net, target, cfg, aux, (val_rows, val_ids), pad_id, draft_ids, cached)}
+  return export_eagle3(net, target.cfg, cfg, aux, target_dir, draft_ids, run, train_s=time.time() - t0,
+                       record=record)
 
 
 def draft_vocab_ids(rows: Sequence[Sequence[int]], vocab_size: int, size: int) -> np.ndarray:
@@ -299,12 +302,12 @@ def validation_metrics(net: Eagle3Net, target: Transformer, cfg: Eagle3TrainConf
           "val_top1_per_step": [round(float(x), 4) for x in hits / np.maximum(w, 1)]}
 
 
-def export_eagle3(net: Eagle3Net, target: Transformer, cfg: Eagle3TrainConfig, aux: tuple[int, ...],
-                  target_dir: Path, data: list[tuple], val_rows: tuple[list[list[int]], list[int]], pad_id: int,
-                  draft_ids: np.ndarray, cached: RowTaps | None, train_s: float) -> Path:
-  """Public-layout directory (bf16) plus drafter.json describing how it was trained."""
+def export_eagle3(net: Eagle3Net, tcfg: ModelConfig, cfg: Eagle3TrainConfig, aux: tuple[int, ...], target_dir: Path,
+                  draft_ids: np.ndarray, run: Run, *, train_s: float, record: dict) -> Path:
+  """Public-layout directory (bf16) plus drafter.json: what every EAGLE-3 run records, and `record` (its data,
+  loss, where the taps came from and the held-out metrics)."""
   last = last_logged(cfg.out_dir)
-  final = save_eagle3(net, Path(cfg.out_dir) / "final", aux, target.cfg, n0=cfg.context_len,
+  final = save_eagle3(net, Path(cfg.out_dir) / "final", aux, tcfg, n0=cfg.context_len,
                       d2t=np.asarray(draft_ids) - np.arange(len(draft_ids)))
   info = {
       "kind": "eagle3",
@@ -313,18 +316,15 @@ def export_eagle3(net: Eagle3Net, target: Transformer, cfg: Eagle3TrainConfig, a
       "aux_layers": list(aux),
       "n0": cfg.context_len,
       "train_max_len": cfg.context_len + cfg.ttt_steps - 2,  # largest RoPE position + 1 seen in training
-      "data": [{"dir": str(Path(d).resolve()), **m["counts"], "temperature": m["settings"]["temperature"],
-                "greedy_fraction": m["settings"]["greedy_fraction"]} for d, _, m in data],
-      "steps": cfg.steps,
+      "steps": run.total_steps,  # cfg.steps, or what fitted its time budget
       "batch_size": cfg.batch_size,
       "ttt_steps": cfg.ttt_steps,
       "step_decay": cfg.step_decay,
       "tokens_seen": last.get("tokens"),
-      "final_ce_per_step": [last.get(f"ce_{j}") for j in range(cfg.ttt_steps)],
+      "final_loss_per_step": [last.get(f"ce_{j}") for j in range(cfg.ttt_steps)],
       "final_train_acc_per_step": [last.get(f"acc_{j}") for j in range(cfg.ttt_steps)],
       "draft_vocab_size": len(draft_ids),
-      "target_taps_from": "feature cache" if cached else "target forward per step",
-      **validation_metrics(net, target, cfg, aux, val_rows, pad_id, draft_ids, cached),
+      **record,
   }
   return write_drafter_json(final, info, last=last, train_s=train_s, model=net)
 
@@ -335,7 +335,7 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
   """train_eagle3 on a distillation store: windows of context_len tokens from the store's train windows, taps
   from the store, the loss `cfg.distill` against the target's soft labels; held-out tau_sim every eval_every
   steps on the store's held-out windows."""
-  from longspec_jax.hf_io import load_model_dir, weights_sha256 as sha
+  from longspec_jax.hf_io import load_model_dir
   from longspec_jax.training.distill_store import DistillStore, StoreWindows, decode_on_device
 
   kind = cfg.distill or "kl"
@@ -357,12 +357,10 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
   head = target.embed_tokens.embedding[...].T if target.lm_head is None else target.lm_head.kernel[...]
   net.lm_head.kernel[...] = jnp.asarray(head, jnp.float32)[:, draft_ids]
   train_tokens = int(sampler.lens.sum())
-  print(f"EAGLE-3 drafter from the distillation store {store.dir}: {param_count(net) / 1e6:.2f}M parameters, aux "
-        f"layers {aux}, draft vocabulary {len(draft_ids)}, {len(train_w)} train windows ({train_tokens} tokens) / "
-        f"{len(val_w)} held-out, window {cfg.context_len}, {cfg.ttt_steps} TTT steps, loss {kind}")
-
-  graphdef, params = nnx.split(net)
-  run = start_run(cfg, params, resume=resume, record=dataclasses.asdict(cfg))
+  graphdef, _, run = start_store_run(
+      cfg, net, resume=resume, what="EAGLE-3 drafter", store=store, train_w=train_w, val_w=val_w,
+      train_tokens=train_tokens, details=f"aux layers {aux}, draft vocabulary {len(draft_ids)}, window "
+      f"{cfg.context_len}, {cfg.ttt_steps} TTT steps, loss {kind}")
   frozen = run.replicate(frozen_inputs(target, None, draft_ids, with_target=False))
 
   def loss_fn(p, batch):
@@ -378,41 +376,20 @@ def train_eagle3_from_store(cfg: Eagle3TrainConfig, resume: bool) -> Path:
 
   stats = jax.jit(lambda p, f, b: ttt_stats(nnx.merge(graphdef, p), f, b, cfg.ttt_steps, aux, pad_id, kind))
   local_frozen = frozen_inputs(target, None, draft_ids, with_target=False)
-  evaluate = store_evaluator(lambda p, b: stats(p, local_frozen, cast(b)), val_sampler, cfg.batch_size,
-                             cfg.val_windows)
   t0 = time.time()
-  trained, stopped = train_to_export(run, loss_fn, batch_fn, tokens_fn=lambda s: cfg.batch_size * cfg.context_len,
-                                     desc="train-eagle3", evaluate=evaluate)
+  net, held_out, stopped = train_store_drafter(
+      run, cfg, graphdef, loss_fn, batch_fn, lambda p, b: stats(p, local_frozen, cast(b)), val_sampler,
+      desc="train-eagle3", tokens_per_step=cfg.batch_size * cfg.context_len)
   if stopped:
     return stopped
-  net = nnx.merge(graphdef, trained)
-  last = last_logged(cfg.out_dir)
-  final = save_eagle3(net, Path(cfg.out_dir) / "final", aux, tcfg, n0=cfg.context_len,
-                      d2t=np.asarray(draft_ids) - np.arange(len(draft_ids)))
-  held_out = evaluate(trained)
-  info = {
-      "kind": "eagle3",
-      "target": target_name(target_dir),
-      "target_weights_sha256": sha(target_dir),
-      "aux_layers": list(aux),
-      "n0": cfg.context_len,
-      "train_max_len": cfg.context_len + cfg.ttt_steps - 2,
+  record = {
       "data": store_record(store, train_w, val_w, train_tokens, "taps"),
       "loss": kind,
-      "steps": run.total_steps,  # cfg.steps, or what fitted its time budget
-      "batch_size": cfg.batch_size,
-      "ttt_steps": cfg.ttt_steps,
-      "step_decay": cfg.step_decay,
-      "tokens_seen": last.get("tokens"),
-      "epochs": round((last.get("tokens") or 0) / max(train_tokens, 1), 2),
-      "final_loss_per_step": [last.get(f"ce_{j}") for j in range(cfg.ttt_steps)],
-      "final_train_acc_per_step": [last.get(f"acc_{j}") for j in range(cfg.ttt_steps)],
-      "draft_vocab_size": len(draft_ids),
+      "epochs": round((last_logged(cfg.out_dir).get("tokens") or 0) / max(train_tokens, 1), 2),
       "target_taps_from": f"distillation store ({store.settings['feature_dtype']})",
       "val_top1_per_step": [held_out[f"val_acc_{j}"] for j in range(cfg.ttt_steps)],
-      "val_tau_sim": held_out["val_tau_sim"],
-  }
-  return write_drafter_json(final, info, last=last, train_s=time.time() - t0, model=net)
+      "val_tau_sim": held_out["val_tau_sim"]}
+  return export_eagle3(net, tcfg, cfg, aux, target_dir, draft_ids, run, train_s=time.time() - t0, record=record)
 
 
 # --- a shipped drafter against the store: held-out tau_sim, and a smaller draft vocabulary ---------------------

@@ -41,10 +41,10 @@ from longspec_jax.training.feature_cache import FeatureCache, build_feature_cach
 from longspec_jax.training.losses import cross_entropy
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, copy_target_layers, fold_input_scale,
                                                   inverse_median_scale, kept_store_split, last_logged, load_data_dirs,
-                                                  store_evaluator, store_head, store_record, store_target,
-                                                  train_to_export, trained_head, write_draft_vocab,
-                                                  write_drafter_json)
-from longspec_jax.training.trainer import OptimConfig, Run, StoreRunConfig, start_run
+                                                  store_evaluator, store_head, store_record,
+                                                  store_target, train_store_drafter, train_to_export, trained_head,
+                                                  write_draft_vocab, write_drafter_json)
+from longspec_jax.training.trainer import DataDirsRunConfig, OptimConfig, Run, start_run, start_store_run
 
 if TYPE_CHECKING:
   from longspec_jax.config import ModelConfig
@@ -53,9 +53,9 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class LongSparkTrainConfig(StoreRunConfig):
+class LongSparkTrainConfig(DataDirsRunConfig):
+  """`longspec train-drafter --drafter longspark`: a LongSpark multiscale drafter."""
   data_dirs: tuple[str, ...] = ("runs/drafter_data_long",)
-  target_dir: str = ""  # "" = the target recorded in the first data dir's manifest
   out_dir: str = "runs/drafter_longspark"
   num_layers: int = 5  # = target layers read, evenly spaced as in DFlash
   block_size: int = 7
@@ -450,13 +450,11 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
   if cfg.init_from_target:
     init_from_target_layers(model, target)
   train_tokens = int(rows.lens[train_w].sum())
-  print(f"LongSpark drafter from the distillation store {store.dir}: {param_count(model) / 1e6:.2f}M parameters, "
-        f"target layers {dcfg.target_layer_ids}, {len(train_w)} train windows ({train_tokens} tokens) / {len(val_w)} "
-        f"held-out, draft vocabulary {cfg.draft_vocab_size or target.cfg.vocab_size}, loss {kind}, prefix rows "
-        f"{sampler.cp}, tail {sampler.tail}, {cfg.anchors_per_window} anchors/window")
-
-  graphdef, params = nnx.split(model)
-  run = start_run(cfg, params, resume=resume, record=dataclasses.asdict(cfg))
+  graphdef, _, run = start_store_run(
+      cfg, model, resume=resume, what="LongSpark drafter", store=store, train_w=train_w, val_w=val_w,
+      train_tokens=train_tokens, details=f"target layers {dcfg.target_layer_ids}, draft vocabulary "
+      f"{cfg.draft_vocab_size or target.cfg.vocab_size}, loss {kind}, prefix rows {sampler.cp}, tail {sampler.tail}, "
+      f"{cfg.anchors_per_window} anchors/window")
   io = target_io(target, final_norm=True)
   extra = {}
   if draft_ids is not None:
@@ -472,15 +470,12 @@ def train_longspark_from_store(cfg: LongSparkTrainConfig, resume: bool) -> Path:
     return longspark_loss(nnx.merge(graphdef, p), decode_kv_batch(batch, store.settings["feature_dtype"]), kind)
 
   stats = store_stats_fn(graphdef, kind)
-  evaluate = store_evaluator(lambda p, b: stats(p, {**b, **local_extra}), val_sampler, cfg.batch_size,
-                             cfg.val_windows)
   t0 = time.time()
-  trained, stopped = train_to_export(run, loss_fn, batch_fn, desc="train-drafter longspark (store)",
-                                     tokens_fn=lambda s: cfg.batch_size * cfg.anchors_per_window, evaluate=evaluate)
+  trained, held_out, stopped = train_store_drafter(
+      run, cfg, graphdef, loss_fn, batch_fn, lambda p, b: stats(p, {**b, **local_extra}), val_sampler,
+      desc="train-drafter longspark (store)", tokens_per_step=cfg.batch_size * cfg.anchors_per_window)
   if stopped:
     return stopped
-  held_out = evaluate(trained)
-  trained = nnx.merge(graphdef, trained)
   if cfg.normalize_boundary:
     fold_input_scale(trained.draft_state_encoder.proj.fc_in, local_extra["boundary_scale"])
   last = last_logged(cfg.out_dir)

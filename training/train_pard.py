@@ -27,7 +27,7 @@ from longspec_jax.training.drafter_common import (data_target, draw_windows, las
                                                    train_to_export, write_drafter_json)
 from longspec_jax.training.drafter_data import load_drafter_data, target_name, weights_sha256
 from longspec_jax.training.losses import cross_entropy
-from longspec_jax.training.trainer import OptimConfig, RunConfig, start_run
+from longspec_jax.training.trainer import RunConfig, start_run
 
 # The PARD drafter's architecture (Qwen3-style, ~1.5M parameters at vocab 8192, most of them the tied embedding).
 DRAFTER_ARCH = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
@@ -38,18 +38,15 @@ SHARED_WITH_TARGET = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_i
 
 @dataclasses.dataclass(frozen=True)
 class PardTrainConfig(RunConfig):
+  """`longspec train-drafter --drafter pard`: a PARD parallel (mask-token) drafter."""
   data_dir: str = "runs/drafter_data"
-  target_dir: str = ""  # "" = the target recorded in the data's manifest
   out_dir: str = "runs/drafter_pard"
   model: dict = dataclasses.field(default_factory=dict)  # overrides of DRAFTER_ARCH / default_target_config
   context_len: int = 512  # C: tokens per training window (n0, the context the drafter is trained at)
   num_masks: int = 7  # K-1 mask tokens appended per anchor (K drafts per forward)
   anchors_per_window: int = 16  # A mask groups per window
   mask_weight: float = 1.0  # lambda: loss = CE_next + lambda * CE_mask
-  batch_size: int = 8
   steps: int = 1000
-  optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
-  val_fraction: float = 0.05  # rows held out for the final validation metrics
   val_windows: int = 64
   compute_dtype: str = "bfloat16"
   attn_block: int = 512

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from longspec_jax import sharding as shd
 from longspec_jax.distributed import agree, host_values, is_main_process
 from longspec_jax.fileio import write_json_atomic
+from longspec_jax.model import param_count
 from longspec_jax.training.losses import DISTILL_KINDS
 
 if TYPE_CHECKING:
@@ -59,8 +60,14 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """The settings `start_run` and `Run` read besides out_dir, batch_size, steps and optim: a base of every drafter
-  trainer's config (a subclass redeclares a field to change its default)."""
+  """What every drafter trainer's config has: the settings `start_run` and `Run` read, the held-out share and a seed
+  (a subclass redeclares a field to change its default)."""
+  out_dir: str = "runs/drafter"
+  target_dir: str = ""  # "" = the target its data (or store) records
+  batch_size: int = 8
+  steps: int = 500
+  optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)
+  val_fraction: float = 0.05  # held-out share of the rows (or of a store's windows)
   seed: int = 0
   checkpoint_every_minutes: float = 5.0
   log_every: int = 10
@@ -93,8 +100,7 @@ class StoreRunConfig(RunConfig):
   held_out_within_tokens: int = 0
 
   def store_split(self, store: DistillStore) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) windows of `store` for this run (distill_store.split_windows; the subclass has
-    val_fraction)."""
+    """(train, held-out) windows of `store` for this run (distill_store.split_windows)."""
     from longspec_jax.training.distill_store import split_windows
     return split_windows(store, self.seed, self.val_fraction, self.max_train_tokens, self.held_out_within_tokens)
 
@@ -110,6 +116,13 @@ class StoreRunConfig(RunConfig):
       raise ValueError(f"{', '.join(needs)} need{'s' if len(needs) == 1 else ''} store_dir (soft labels come from a "
                        "distillation store)")
 
+
+
+@dataclasses.dataclass(frozen=True)
+class DataDirsRunConfig(StoreRunConfig):
+  """StoreRunConfig for the trainers that read `make-drafter-data` dirs when no store_dir is given."""
+  # make-drafter-data outputs; incomplete ones (no manifest.json + dataset/) are skipped, at least one must exist
+  data_dirs: tuple[str, ...] = ("runs/drafter_data",)
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
   warmup = min(cfg.warmup_steps, max(total_steps - 1, 1))
@@ -372,3 +385,14 @@ def start_run(cfg: Any, params: Any, *, resume: bool, total_steps: int | None = 
     state = ckpt.restore(state)
     print(f"resumed from step {int(state.step)}")
   return Run(cfg, out, mesh, optimizer, state, ckpt, total_steps)
+
+
+def start_store_run(cfg: Any, model: nnx.Module, *, resume: bool, what: str, store: DistillStore,
+                    train_w: np.ndarray, val_w: np.ndarray, train_tokens: int,
+                    details: str) -> tuple[nnx.GraphDef, Any, Run]:
+  """Says what a run on a distillation store trains (`what`, then `details`) and starts it (trainer.start_run):
+  (graphdef, the initial parameters, the run)."""
+  print(f"{what} from the distillation store {store.dir}: {param_count(model) / 1e6:.2f}M parameters, "
+        f"{len(train_w)} train windows ({train_tokens} tokens) / {len(val_w)} held-out, {details}")
+  graphdef, params = nnx.split(model)
+  return graphdef, params, start_run(cfg, params, resume=resume)

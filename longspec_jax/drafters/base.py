@@ -116,6 +116,19 @@ class ReadsLikeInner(DrafterSpec):
   max_draft_tokens = _of_inner("max_draft_tokens")
 
 
+class ReadsItsConfig(DrafterSpec):
+  """For a drafter whose `cfg` names the target taps it reads (`cfg.taps`) and its architecture (`cfg.arch`, whose
+  vocabulary it drafts over): DFlash, LongSpark."""
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    return self.cfg.taps
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.arch.vocab_size
+
+
 def default_num_draft(spec: Drafter) -> int:
   """K when the caller gives none: 8, or the drafter's block limit if smaller (LongSpark drafts at most 7)."""
   limit = max_draft_tokens(spec)

@@ -30,7 +30,7 @@ from flax import nnx
 
 from longspec_jax.attention import dense_masked_attention
 from longspec_jax.config import ModelConfig, read_config_json
-from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
+from longspec_jax.drafters.base import LoadedDrafter, ReadsItsConfig
 from longspec_jax.drafters.frozen_target import (check_block_drafter, check_reads_target, default_target_layer_ids,
                                                  embed_tokens, head_logits, target_io, taps_of, with_draft_vocab)
 from longspec_jax.drafters.registry import DrafterEntry
@@ -176,7 +176,7 @@ class DFlashState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashDrafter(DrafterSpec):
+class DFlashDrafter(ReadsItsConfig):
   graphdef: nnx.GraphDef
   cfg: DFlashConfig
   sharpdraft: object = None  # SharpDraft query scaling (longspec_jax.sharpdraft) or None
@@ -186,16 +186,8 @@ class DFlashDrafter(DrafterSpec):
   drafts_blocks = True
 
   @property
-  def taps(self) -> tuple[int, ...]:
-    return self.cfg.taps
-
-  @property
   def max_draft_tokens(self) -> int:
     return self.cfg.block_size - 1
-
-  @property
-  def vocab_size(self) -> int:
-    return self.cfg.arch.vocab_size
 
   def _model(self, params) -> DFlashModel:
     return nnx.merge(self.graphdef, params["drafter"])

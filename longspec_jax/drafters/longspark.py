@@ -37,7 +37,7 @@ from flax import nnx
 
 from longspec_jax.attention import dense_masked_attention
 from longspec_jax.config import ModelConfig, read_config_json
-from longspec_jax.drafters.base import DrafterSpec, LoadedDrafter
+from longspec_jax.drafters.base import LoadedDrafter, ReadsItsConfig
 from longspec_jax.drafters.frozen_target import (apply_final_norm, check_block_drafter, check_reads_target,
                                                  default_target_layer_ids, embed_tokens, head_logits, target_io,
                                                  taps_of, with_draft_vocab)
@@ -344,7 +344,7 @@ class LongSparkState:
 
 
 @dataclasses.dataclass(frozen=True)
-class LongSparkDrafter(DrafterSpec):
+class LongSparkDrafter(ReadsItsConfig):
   graphdef: nnx.GraphDef
   cfg: LongSparkConfig
   name: str = "longspark"
@@ -353,16 +353,8 @@ class LongSparkDrafter(DrafterSpec):
   drafts_blocks = True
 
   @property
-  def taps(self) -> tuple[int, ...]:
-    return self.cfg.taps
-
-  @property
   def max_draft_tokens(self) -> int:
     return self.cfg.block_size
-
-  @property
-  def vocab_size(self) -> int:
-    return self.cfg.arch.vocab_size
 
   def _model(self, params) -> LongSparkModel:
     return nnx.merge(self.graphdef, params["drafter"])
