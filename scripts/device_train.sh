@@ -69,7 +69,7 @@ if [[ $DRY_RUN == 1 ]]; then
   # of layers (1, 3, 5) and their outputs (taps 2, 4, 6).
   STORE_ARGS=(--max-documents 40 --window 512 --max-tokens 3072 --shard-tokens 1024 --topk 8 --taps 2,4,5,6 --kv-layers 1,3,5
               --dtype float8 --on-policy-fraction 0.3 --on-policy-new-tokens 16)
-  COMMON=(--set val_fraction=0.3 --set val_windows=2 --set compute_dtype=float32 --set steps=40
+  COMMON=(--set val_fraction=0.3 --set val_windows=2 --set compute_dtype=float32 --set steps=16
           --set log_every=1 --set checkpoint_every_minutes=1.0)
   EAGLE3_SETS=(--set context_len=64 --set attn_block=64 --set batch_size=2 --set draft_vocab_size=1024
                --set model.num_attention_heads=4 --set model.num_key_value_heads=2 --set model.intermediate_size=256)
