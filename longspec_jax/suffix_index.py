@@ -152,7 +152,7 @@ def build_index(docs: Iterable[Sequence[int]], vocab_size: int, tokenizer_hash: 
   # Where contexts share a slot, the most frequent wins (ties: the longer context).
   o = np.lexsort((-order, -tot, slot))
   slot, key, nxt, cnt, tot = slot[o], key[o], nxt[o], cnt[o], tot[o]
-  first = np.r_[True, slot[1:] != slot[:-1]]
+  first = np.r_[True, slot[1:] != slot[:-1]] if slot.size else np.zeros(0, bool)  # no docs: an empty index
   table = _empty(slots)
   s = slot[first]
   table["check"][s] = (key[first] & np.uint64(0xFFFFFFFF)).astype(np.uint32)

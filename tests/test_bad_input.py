@@ -23,6 +23,8 @@ def test_prompt_errors(tiny_model):
     generate(tiny_model, [[1] * 4000], max_new_tokens=200)
   with pytest.raises(ValueError, match="list of token-id lists"):
     generate(tiny_model, [1, 2, 3])
+  with pytest.raises(ValueError, match="prompt 1 holds something other than token ids"):
+    generate(tiny_model, [[1, 2], [None, 5]])  # e.g. a target without BOS prepended as [bos_token_id] + ids
   with pytest.raises(ValueError, match="max_new_tokens"):
     generate(tiny_model, [[1, 2]], max_new_tokens=0)
 

@@ -60,6 +60,11 @@ def test_index_proposes_chained_continuations_and_the_stronger_source_wins():
   again = with_index(SuffixDrafter(V), updated)
   drafts, matched, _ = search(again.spec, again.params, _ctx([[30, 31, 5, 6], [40, 41, 42]]), 2)
   assert drafts[1].tolist() == [43, 44] and matched.tolist() == [2, 3]
+  # memory from nothing (scripts/multi_file_workload.py): an empty index proposes nothing until outputs are added
+  empty = build_index([], V, "tok", slots=256, orders=(1, 2, 3, 4))
+  assert empty.used == 0
+  grown = with_index(SuffixDrafter(V), update_index(empty, [[40, 41, 42, 43, 44]]))
+  assert search(grown.spec, grown.params, _ctx([[40, 41, 42]]), 2)[0].tolist() == [[43, 44]]
 
 
 @pytest.fixture(scope="module")
