@@ -81,7 +81,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, vocab_size: 
     try:
       p = [int(t) for t in p]
     except (TypeError, ValueError):
-      raise ValueError(f"prompt {i} holds something other than token ids: {[t for t in p][:8]}...") from None
+      raise ValueError(f"prompt {i} holds something other than token ids: {list(p)[:8]}") from None
     if not p:
       raise ValueError(f"prompt {i} is empty: give at least one token")
     bad = [t for t in p if not 0 <= t < vocab_size]

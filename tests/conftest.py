@@ -49,17 +49,6 @@ def pytest_sessionfinish(session):
     shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_compiled_programs():
-  """Drop JAX's compiled programs after each test module. XLA:CPU maps every executable's code into its own memory
-  regions, and the caches keep them all alive: a long-lived xdist worker reached 64,297 mappings against the
-  kernel's vm.max_map_count of 65,530, and past it a compile segfaults (CI crashed that way twice)."""
-  yield
-  if _memory_mappings() > MAX_MAPPINGS_KEPT:
-    jax.clear_caches()
-    gc.collect()
-
-
 MAX_MAPPINGS_KEPT = 30_000  # of the kernel's default vm.max_map_count of 65,530: room for one more module
 
 
@@ -69,6 +58,18 @@ def _memory_mappings() -> int:
       return sum(1 for _ in f)
   except OSError:  # no procfs: drop them after every module
     return MAX_MAPPINGS_KEPT + 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """Drop JAX's compiled programs after a test module once the worker holds many memory mappings. XLA:CPU maps
+  every executable's code into its own memory regions, and the caches keep them all alive: a long-lived xdist
+  worker reached 64,297 mappings against the kernel's vm.max_map_count of 65,530, and past it a compile segfaults
+  (CI crashed that way twice). Kept below that, later modules reuse what earlier ones compiled."""
+  yield
+  if _memory_mappings() > MAX_MAPPINGS_KEPT:
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -140,8 +140,6 @@ def train_to_export(run: Any, loss_fn: Callable, batch_fn: Callable[[int], dict]
   return params, None
 
 
-
-
 def train_store_drafter(run: Any, cfg: Any, graphdef: nnx.GraphDef, loss_fn: Callable,
                         batch_fn: Callable[[int], dict], stats_fn: Callable[[Any, dict], dict], val_sampler: Any, *,
                         desc: str, tokens_per_step: int) -> tuple[nnx.Module | None, dict, Path | None]:
@@ -154,6 +152,7 @@ def train_store_drafter(run: Any, cfg: Any, graphdef: nnx.GraphDef, loss_fn: Cal
   if stopped:
     return None, {}, stopped
   return nnx.merge(graphdef, trained), evaluate(trained), None
+
 
 def last_logged(out_dir: str | Path) -> dict:
   """The last line of a run's train_log.jsonl ({} before the first log or with no log: nothing trained)."""

@@ -33,9 +33,9 @@ from longspec_jax.training.losses import cross_entropy
 from longspec_jax.training.drafter_common import (block_loss, block_stats_fn, check_token_ids, copy_target_layers,
                                                   draw_windows, fold_input_scale, inverse_median_scale,
                                                   kept_store_split, last_logged, load_data_dirs, make_tap_fn, pad_token,
-                                                  split_indices, store_evaluator, store_head,
-                                                  store_record, store_target, train_store_drafter, train_to_export,
-                                                  trained_head, write_draft_vocab, write_drafter_json)
+                                                  split_indices, store_evaluator, store_head, store_record,
+                                                  store_target, train_store_drafter, train_to_export, trained_head,
+                                                  write_draft_vocab, write_drafter_json)
 from longspec_jax.training.trainer import DataDirsRunConfig, start_run, start_store_run
 
 if TYPE_CHECKING:
