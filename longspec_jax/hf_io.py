@@ -153,7 +153,7 @@ def dequantize_int8(tensors: dict, where: str = "") -> dict:
     if scale is None or a.ndim != 2 or scale.shape != (a.shape[0],):
       raise ValueError(f"{where}: int8 tensor {name} {tuple(a.shape)} needs a scale {name}{INT8_SCALE_SUFFIX} of "
                        f"shape ({a.shape[0]},), got {None if scale is None else tuple(scale.shape)}")
-    out[name] = jnp.asarray(a, jnp.float32) * jnp.asarray(scale, jnp.float32)[:, None]
+    out[name] = np.asarray(a, np.float32) * np.asarray(scale, np.float32)[:, None]  # on the host: no compile
   return out
 
 
@@ -170,12 +170,12 @@ def load_params_into(model: nnx.Module, tensors: dict[str, jax.Array], where: st
     if name not in tensors:
       missing.append(name)
       continue
-    t = jnp.asarray(tensors[name])
+    t = np.asarray(tensors[name])  # transposed and cast on the host: op by op on a device, each shape compiles
     t = t.T if transpose else t
     if t.shape != arr.shape:
       bad_shape.append(f"{name}: checkpoint {tuple(t.shape)} vs model {tuple(arr.shape)}")
       continue
-    new_flat[path] = t.astype(arr.dtype)
+    new_flat[path] = jnp.asarray(t.astype(arr.dtype))
     used.add(name)
   if missing or bad_shape:
     raise ValueError(f"checkpoint{where} does not match the model config: missing tensors {missing[:8]}"

@@ -14,6 +14,7 @@ from longspec_jax.drafters.budget import CHUNK, budget_from_model, select_budget
 from longspec_jax.drafters.pard import standalone_from_model
 from longspec_jax.model import create_model
 from tests import test_speculative as ts
+from tests.compiled import compiled
 from tests.test_speculative import _cfg, _prompts, peaky_target  # noqa: F401  (fixture)
 
 V = ts.V
@@ -111,14 +112,14 @@ def test_selection_matches_numpy_reference(keep_recent):
   rng = np.random.default_rng(1)
   k = rng.standard_normal((3, 160, 2, 8)).astype(np.float32)
   lens = np.asarray([157, 160, 30])  # partial last chunk, full chunks only, under the budget
-  idx = np.asarray(select_budget_chunks(jnp.asarray(k), jnp.asarray(lens), 64, keep_recent))
+  idx = np.asarray(compiled(select_budget_chunks, jnp.asarray(k), jnp.asarray(lens), 64, keep_recent))
   ref = _numpy_selection(k, lens, 64, keep_recent)
   for (bi, h), want in ref.items():
     got = idx[bi, h][idx[bi, h] >= 0]
     assert len(set(got.tolist())) == len(got) and set(got.tolist()) == want, (bi, h)
   # A smaller traced budget keeps the prefix of the ranking: the training draw == a smaller static budget.
-  part = np.asarray(select_budget_chunks(jnp.asarray(k), jnp.asarray(lens), 64, keep_recent,
-                                         num_chunks=jnp.full((3,), 4, jnp.int32)))
+  part = np.asarray(compiled(select_budget_chunks, jnp.asarray(k), jnp.asarray(lens), 64, keep_recent,
+                            num_chunks=jnp.full((3,), 4, jnp.int32)))
   small = _numpy_selection(k, lens, 32, keep_recent)
   for (bi, h), want in small.items():
     assert set(part[bi, h][part[bi, h] >= 0].tolist()) == want, (bi, h)
@@ -153,7 +154,7 @@ def test_training_forward_equals_inference_forward(keep_recent):
   np.testing.assert_allclose(full, _teacher_forced(d_full.spec, d_full.params, prompt, lens, cont), atol=2e-4,
                              rtol=2e-4)
   seq = jnp.concatenate([prompt[:1, :117], cont[:1]], axis=1)
-  np.testing.assert_allclose(full[0], model(seq, mode="train").logits[0, 117:], atol=2e-4, rtol=2e-4)
+  np.testing.assert_allclose(full[0], compiled(model, seq, mode="train").logits[0, 117:], atol=2e-4, rtol=2e-4)
   assert np.abs(np.asarray(full - sparse)).max() > 1e-3  # the budget does drop keys here
 
 
@@ -163,9 +164,9 @@ def test_dense_masked_attention_per_kv_head_mask():
   k = jnp.asarray(rng.standard_normal((2, 10, 2, 8)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((2, 10, 2, 8)), jnp.float32)
   vis = jnp.asarray(rng.random((2, 2, 3, 10)) < 0.6).at[..., 0].set(True)
-  out = dense_masked_attention(q, k, v, vis)
+  out = compiled(dense_masked_attention, q, k, v, vis)
   for h in range(2):  # KV head h serves q heads 2h, 2h+1
-    ref = dense_masked_attention(q[:, :, 2 * h:2 * h + 2], k[:, :, h:h + 1], v[:, :, h:h + 1], vis[:, h])
+    ref = compiled(dense_masked_attention, q[:, :, 2 * h:2 * h + 2], k[:, :, h:h + 1], v[:, :, h:h + 1], vis[:, h])
     np.testing.assert_allclose(out[:, :, 2 * h:2 * h + 2], ref, atol=1e-6)
 
 

@@ -21,6 +21,7 @@ from longspec_jax.drafters.longspark import (create_longspark, longspark_config_
 from longspec_jax.inference.generate import generate
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.drafters.base import PrefillResult, ProposeContext
+from tests.compiled import compiled
 from tests.test_dels import _cfg, _head
 from tests.test_speculative import (N_POS, _chi2_pvalues, _exact_marginals, _prompts, _sample,  # noqa: F401
                                     peaky_target, target)
@@ -50,12 +51,12 @@ def _parts(t, budget=16, tail_tokens=24):
 def _state_and_ctx(t, spec, params, n):
   """A drafter state after prefilling one random n-token prompt (taps and target K/V), and the propose context."""
   toks = jnp.asarray(np.random.default_rng(5).integers(3, t.cfg.vocab_size, (1, n)), jnp.int32)
-  out = t(toks, cache=t.init_cache(1, n + 8), mode="prefill", taps=spec.taps, return_kv=True)
+  out = compiled(t, toks, cache=t.init_cache(1, n + 8), mode="prefill", taps=spec.taps, return_kv=True)
   buf = jnp.concatenate([toks, jnp.full((1, 8), 7, jnp.int32)], 1)
   pre = PrefillResult(prompt_tokens=toks, tokens=buf, prompt_lens=jnp.asarray([n]), taps=out.taps,
                       new_kv=out.new_kv, target_cache=None)
   ctx = ProposeContext(tokens=buf, num_tokens=jnp.asarray([n + 1]), sampling=SamplingParams.make(0.0))
-  return spec.init_state(params, pre, n + 8), ctx
+  return compiled(spec.init_state, params, pre, n + 8), ctx
 
 
 def _combined(t, dels=True, weights=(0.5, 0.5), seed=0):
@@ -81,8 +82,8 @@ def test_block_logits_are_the_weighted_sum_of_the_parts(target):
   ls, df = _parts(target)
   both = ensemble([ls, df], (0.25, 0.75))
   state, ctx = _state_and_ctx(target, both.spec, both.params, 60)
-  z = both.spec.block_logits(both.params, state, ctx.pending, 3)
-  parts = [p.spec.block_logits(p.params, s, ctx.pending, 3) for p, s in zip((ls, df), state)]
+  z = compiled(both.spec.block_logits, both.params, state, ctx.pending, 3)
+  parts = [compiled(p.spec.block_logits, p.params, s, ctx.pending, 3) for p, s in zip((ls, df), state)]
   want = 0.25 * jax.nn.log_softmax(parts[0], -1) + 0.75 * jax.nn.log_softmax(parts[1], -1)
   np.testing.assert_allclose(np.asarray(z), np.asarray(want), rtol=1e-5, atol=1e-5)
   # Each part's state is the one it builds alone from its own taps.

@@ -18,6 +18,7 @@ from longspec_jax.drafters.dels import (DeLSConfig, combine, decode_block, dels_
 from longspec_jax.drafters.dflash import create_dflash, dflash_config_for, dflash_from_model, save_dflash_dir
 from longspec_jax.drafters.frozen_target import target_io
 from longspec_jax.sampling import SamplingParams, processed_log_probs
+from tests.compiled import compiled
 from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample,
                                     peaky_target, target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
@@ -55,10 +56,10 @@ def _dels(target_model, cfg=None, seed=0, dflash_seed=1):
 def _state_and_ctx(target_model, spec, params, lens, t=40):
   b = len(lens)
   toks = jnp.asarray(np.random.default_rng(5).integers(3, V, (b, t + BLOCK)), jnp.int32)
-  taps = target_model(toks, mode="train", taps=spec.taps, return_logits=False).taps
+  taps = compiled(target_model, toks, mode="train", taps=spec.taps, return_logits=False).taps
   pre = PrefillResult(prompt_tokens=toks, tokens=toks, prompt_lens=jnp.asarray(lens), taps=taps, new_kv=None,
                       target_cache=None)
-  state = spec.init_state(params, pre, t + BLOCK)
+  state = compiled(spec.init_state, params, pre, t + BLOCK)
   ctx = ProposeContext(tokens=toks, num_tokens=jnp.asarray(lens) + 1, sampling=SamplingParams.make(0.0))
   return toks, taps, state, ctx
 
@@ -102,20 +103,21 @@ def test_a_draft_vocabulary_decodes_over_its_columns_alone(target):
   assert d.params["head"]["head"].shape[0] == len(ids)
   _, _, state, ctx = _state_and_ctx(target, base.spec, base.params, [12, 30])
   pending = ctx.tokens[jnp.arange(2), ctx.num_tokens - 1]
-  full = base.spec.block_logits(base.params, state, pending, BLOCK - 1)  # -inf outside ids
-  want, _ = decode_block(cfg, {k: jnp.asarray(x) for k, x in head.items()}, full, pending)
-  got, _, _ = d.spec.propose(d.params, state, ctx, jax.random.key(0), BLOCK - 1, False)
+  full = compiled(base.spec.block_logits, base.params, state, pending, BLOCK - 1)  # -inf outside ids
+  want, _ = compiled(decode_block, cfg, {k: jnp.asarray(x) for k, x in head.items()}, full, pending)
+  got, _, _ = compiled(d.spec.propose, d.params, state, ctx, jax.random.key(0), BLOCK - 1, False)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert set(np.asarray(got).ravel().tolist()) <= set(ids.tolist())
   sp = SamplingParams.make(0.8)
-  drafts, q, _ = d.spec.propose(d.params, state, dataclasses.replace(ctx, sampling=sp), jax.random.key(4),
-                                BLOCK - 1, True)
+  drafts, q, _ = compiled(d.spec.propose, d.params, state, dataclasses.replace(ctx, sampling=sp), jax.random.key(4),
+                          BLOCK - 1, True)
   q = np.asarray(q)
   outside = np.setdiff1d(np.arange(V), ids)
   assert q.shape == (2, BLOCK - 1, V) and np.all(q[..., outside] == 0)
   np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
   assert np.all(np.take_along_axis(q, np.asarray(drafts)[..., None], -1) > 0)
-  _, logq = decode_block(cfg, {k: jnp.asarray(x) for k, x in head.items()}, full, pending, sp, jax.random.key(4))
+  _, logq = compiled(decode_block, cfg, {k: jnp.asarray(x) for k, x in head.items()}, full, pending, sp,
+                     jax.random.key(4))
   np.testing.assert_allclose(q[:, 0], np.exp(np.asarray(logq[:, 0])), atol=1e-6)
   prompts = _prompts(2, [5, 40])
   assert generate(target, prompts, max_new_tokens=16, eos_id=-1, drafter=d, num_draft=BLOCK - 1).tokens == \
@@ -138,20 +140,20 @@ def test_training_forward_matches_inference(target, gru_start):
   d = dels_from_head(base, cfg, jax.tree.map(np.asarray, merge_head(params, io, prior)))
   b, t = 2, 40
   toks = jnp.asarray(np.random.default_rng(0).integers(3, V, (b, t)), jnp.int32)
-  taps = target(toks, mode="train", taps=base.spec.taps, return_logits=False).taps
+  taps = compiled(target, toks, mode="train", taps=base.spec.taps, return_logits=False).taps
   anchors = jnp.asarray([[5, 17, 30], [12, 3, 34]], jnp.int32)
-  base_train = dflash_train_logits(model, io, taps, toks, anchors)  # [B, A, K, V]
+  base_train = compiled(dflash_train_logits, model, io, taps, toks, anchors)  # [B, A, K, V]
   for j in range(anchors.shape[1]):
     a = anchors[:, j]
     pre = PrefillResult(prompt_tokens=toks, tokens=toks, prompt_lens=a, taps=taps, new_kv=None, target_cache=None)
-    state = d.spec.init_state(d.params, pre, t + BLOCK)
+    state = compiled(d.spec.init_state, d.params, pre, t + BLOCK)
     pending = toks[jnp.arange(b), a]
-    inf_base = base.spec.block_logits(base.params, state, pending, BLOCK - 1)
-    drafts, z_inf = decode_block(cfg, d.params["head"], inf_base, pending)
+    inf_base = compiled(base.spec.block_logits, base.params, state, pending, BLOCK - 1)
+    drafts, z_inf = compiled(decode_block, cfg, d.params["head"], inf_base, pending)
     head = merge_head(params, io, prior)
     prev = jnp.concatenate([pending[:, None], drafts[:, :-1]], 1)
     alpha, beta, _ = cfg.mix_weights(BLOCK - 1)
-    z_train = combine(base_train[:, j], local_block_logits(cfg, head, prev), head["log_prior"], alpha, beta)
+    z_train = combine(base_train[:, j], compiled(local_block_logits, cfg, head, prev), head["log_prior"], alpha, beta)
     np.testing.assert_allclose(np.asarray(z_train), np.asarray(z_inf), atol=3e-4, rtol=3e-4)
     assert np.array_equal(np.asarray(jnp.argmax(z_train, -1)), np.asarray(drafts))
 
@@ -409,8 +411,8 @@ def test_greedy_budget_dels_equals_ar(target, batch, lengths):
   full = dels_from_head(dflash_from_model(_dflash_model(target), target), _cfg(), _head(_cfg(), 0))
   toks, _, s_budget, ctx = _state_and_ctx(target, d.spec, d.params, [70] * batch, t=72)
   _, _, s_full, _ = _state_and_ctx(target, full.spec, full.params, [70] * batch, t=72)
-  z_budget = d.spec.base.block_logits(d.params["base"], s_budget, ctx.pending, BLOCK - 1)
-  z_full = full.spec.base.block_logits(full.params["base"], s_full, ctx.pending, BLOCK - 1)
+  z_budget = compiled(d.spec.base.block_logits, d.params["base"], s_budget, ctx.pending, BLOCK - 1)
+  z_full = compiled(full.spec.base.block_logits, full.params["base"], s_full, ctx.pending, BLOCK - 1)
   assert not np.allclose(np.asarray(z_budget), np.asarray(z_full), atol=1e-3)
 
 

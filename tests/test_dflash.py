@@ -17,6 +17,7 @@ from longspec_jax.drafters.dflash import (DFlashConfig, create_dflash, dflash_co
 from longspec_jax.drafters.frozen_target import default_target_layer_ids, target_io
 from longspec_jax.model import create_model
 from longspec_jax.sampling import SamplingParams
+from tests.compiled import compiled
 from tests.test_speculative import (N_POS, V, _cfg, _chi2_pvalues, _exact_marginals, _prompts, _sample,
                                     peaky_target, target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
@@ -56,16 +57,16 @@ def test_training_forward_matches_inference(target):
   d = dflash_from_model(model, target)
   b, t = 2, 40
   toks = jnp.asarray(np.random.default_rng(0).integers(3, V, (b, t)), jnp.int32)
-  taps = target(toks, mode="train", taps=d.spec.taps, return_logits=False).taps
+  taps = compiled(target, toks, mode="train", taps=d.spec.taps, return_logits=False).taps
   anchors = jnp.asarray([[5, 17, 30], [12, 3, 38]], jnp.int32)
-  train_logits = dflash_train_logits(model, target_io(target), taps, toks, anchors)  # [B, A, BLOCK-1, V]
+  train_logits = compiled(dflash_train_logits, model, target_io(target), taps, toks, anchors)  # [B, A, BLOCK-1, V]
   for j in range(anchors.shape[1]):
     a = anchors[:, j]
     # Inference: context = features of positions < a; block anchored at token a.
     pre = PrefillResult(prompt_tokens=toks, tokens=toks, prompt_lens=a, taps=taps, new_kv=None,
                         target_cache=None)
-    state = d.spec.init_state(d.params, pre, t + BLOCK)
-    inf = d.spec.block_logits(d.params, state, toks[jnp.arange(b), a], BLOCK - 1)
+    state = compiled(d.spec.init_state, d.params, pre, t + BLOCK)
+    inf = compiled(d.spec.block_logits, d.params, state, toks[jnp.arange(b), a], BLOCK - 1)
     np.testing.assert_allclose(np.asarray(train_logits[:, j]), np.asarray(inf), atol=2e-4, rtol=2e-4)
 
 
@@ -80,15 +81,15 @@ def test_state_shape_constant_and_update_appends_context(target, dflash):
   spec, params = dflash.spec, dflash.params
   b, t, max_len, k = 2, 16, 64, 3
   toks = jnp.asarray(np.random.default_rng(0).integers(3, V, (b, max_len)), jnp.int32)
-  taps = target(toks, mode="train", taps=spec.taps, return_logits=False).taps
+  taps = compiled(target, toks, mode="train", taps=spec.taps, return_logits=False).taps
   pre = PrefillResult(prompt_tokens=toks[:, :t], tokens=toks, prompt_lens=jnp.asarray([16, 9]),
                       taps=taps[:, :t], new_kv=None, target_cache=None)
-  s0 = spec.init_state(params, pre, max_len)
+  s0 = compiled(spec.init_state, params, pre, max_len)
   ctx = ProposeContext(tokens=toks, num_tokens=jnp.asarray([17, 10]), sampling=SamplingParams.make(1.0))
-  drafts, probs, s1 = spec.propose(params, s0, ctx, jax.random.key(0), k, True)
+  drafts, probs, s1 = compiled(spec.propose, params, s0, ctx, jax.random.key(0), k, True)
   start = ctx.num_tokens - 1
   vtaps = jnp.stack([taps[i, int(s):int(s) + k + 1] for i, s in enumerate(start)])
-  s2 = spec.update(params, s1, _fake_verify(toks, ctx.num_tokens, k, None, vtaps))
+  s2 = compiled(spec.update, params, s1, _fake_verify(toks, ctx.num_tokens, k, None, vtaps))
   shape = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)
   assert shape(s0) == shape(s1) == shape(s2)
   assert drafts.shape == (b, k) and probs.shape == (b, k, V)
@@ -97,7 +98,7 @@ def test_state_shape_constant_and_update_appends_context(target, dflash):
   # The appended rows equal a fresh prefill over the longer prefix.
   pre_long = PrefillResult(prompt_tokens=toks[:, :20], tokens=toks, prompt_lens=jnp.asarray([18, 11]),
                            taps=taps[:, :20], new_kv=None, target_cache=None)
-  ref = spec.init_state(params, pre_long, max_len)
+  ref = compiled(spec.init_state, params, pre_long, max_len)
   for i, n in enumerate([18, 11]):
     np.testing.assert_allclose(np.stack(s2.k)[:, i, :n], np.stack(ref.k)[:, i, :n], atol=1e-5)
     np.testing.assert_allclose(np.stack(s2.v)[:, i, :n], np.stack(ref.v)[:, i, :n], atol=1e-5)
@@ -160,10 +161,10 @@ def test_loads_public_dflash_layout_and_round_trips(target, tmp_path):
   save_dflash_dir(m, tmp_path / "ours")
   again = load_dflash(tmp_path / "ours", target)
   ctx_prompt = jnp.asarray([[5, 6, 7, 8, 9, 10]], jnp.int32)
-  taps = target(ctx_prompt, mode="train", taps=cfg.taps, return_logits=False).taps
+  taps = compiled(target, ctx_prompt, mode="train", taps=cfg.taps, return_logits=False).taps
   pre = PrefillResult(prompt_tokens=ctx_prompt, tokens=ctx_prompt, prompt_lens=jnp.asarray([5]), taps=taps,
                       new_kv=None, target_cache=None)
-  logits = [d.spec.block_logits(d.params, d.spec.init_state(d.params, pre, 16), ctx_prompt[:, 5], 3)
+  logits = [compiled(d.spec.block_logits, d.params, compiled(d.spec.init_state, d.params, pre, 16), ctx_prompt[:, 5], 3)
             for d in (loaded, again)]
   np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(logits[1]), atol=1e-5)
 

@@ -14,6 +14,7 @@ from longspec_jax.drafters.dflash import dflash_from_model
 from longspec_jax.drafters.frozen_target import target_io
 from longspec_jax.inference.generate import generate
 from longspec_jax.sampling import SamplingParams
+from tests.compiled import compiled
 from tests.test_dflash import BLOCK, _dflash
 from tests.test_distill_store import setup  # noqa: F401  (fixture: a tiny target and corpus)
 from tests.test_speculative import (N_POS, V, _chi2_pvalues, _exact_marginals, _prompts, _sample,  # noqa: F401
@@ -43,7 +44,7 @@ def test_greedy_equals_ar(target, dflash, lengths, keep_recent):
 
 
 def _prefill(target, spec, toks, lens):
-  taps = target(toks, mode="train", taps=spec.taps, return_logits=False).taps
+  taps = compiled(target, toks, mode="train", taps=spec.taps, return_logits=False).taps
   return taps, PrefillResult(prompt_tokens=toks, tokens=toks, prompt_lens=jnp.asarray(lens), taps=taps,
                              new_kv=None, target_cache=None)
 
@@ -62,18 +63,20 @@ def test_budget_over_the_prompt_is_full_dflash_and_state_is_flat(target, dflash)
   toks = jnp.asarray(rng.integers(3, V, (2, 60)), jnp.int32)
   lens, verified = [30, 21], 6
   taps, pre = _prefill(target, dflash.spec, toks[:, :30], lens)
-  all_taps = target(toks, mode="train", taps=dflash.spec.taps, return_logits=False).taps
+  all_taps = compiled(target, toks, mode="train", taps=dflash.spec.taps, return_logits=False).taps
   wide = _budget(dflash, budget=32, tail_tokens=24)
-  states = [d.spec.init_state(d.params, pre, 64) for d in (dflash, wide)]
+  states = [compiled(d.spec.init_state, d.params, pre, 64) for d in (dflash, wide)]
   vtaps = jnp.stack([all_taps[i, n:n + verified] for i, n in enumerate(lens)])
   num_tokens = [n + verified for n in lens]  # every verified row committed, one more pending
-  states = [d.spec.update(d.params, s, _verify(lens, num_tokens, vtaps)) for d, s in zip((dflash, wide), states)]
+  states = [compiled(d.spec.update, d.params, s, _verify(lens, num_tokens, vtaps))
+            for d, s in zip((dflash, wide), states)]
   pending = toks[jnp.arange(2), jnp.asarray(num_tokens) - 1]
-  full, sparse = (d.spec.block_logits(d.params, s, pending, BLOCK - 1) for d, s in zip((dflash, wide), states))
+  full, sparse = (compiled(d.spec.block_logits, d.params, s, pending, BLOCK - 1)
+                  for d, s in zip((dflash, wide), states))
   np.testing.assert_allclose(np.asarray(sparse), np.asarray(full), atol=2e-4, rtol=2e-4)
   small = _budget(dflash, budget=16)
-  nbytes = [state_nbytes(small.spec.init_state(small.params, _prefill(target, dflash.spec, toks[:, :n], [n, n])[1],
-                                               64)) for n in (24, 56)]
+  nbytes = [state_nbytes(compiled(small.spec.init_state, small.params,
+                                   _prefill(target, dflash.spec, toks[:, :n], [n, n])[1], 64)) for n in (24, 56)]
   assert nbytes[0] == nbytes[1]
 
 
@@ -88,24 +91,25 @@ def test_training_forward_equals_inference(target, dflash, keep_recent):
   rng = np.random.default_rng(2)
   b, c, budget = 2, 64, 16
   toks = jnp.asarray(rng.integers(3, V, (b, c)), jnp.int32)
-  taps = target(toks, mode="train", taps=dflash.spec.taps, return_logits=False).taps
+  taps = compiled(target, toks, mode="train", taps=dflash.spec.taps, return_logits=False).taps
   lens = np.asarray([37, 44], np.int32)
   anchors = jnp.asarray([[37, 41, 50], [44, 52, 58]], jnp.int32)
   batch = {"io": target_io(target), "taps": taps, "tokens": toks, "anchors": anchors, "prompt_lens": jnp.asarray(lens),
            "num_chunks": jnp.full((b,), budget // CHUNK, jnp.int32)}
-  full, sparse = dflash_multiview_logits(model, batch, 32, keep_recent)  # max_budget 32, this batch's budget 16
-  np.testing.assert_allclose(np.asarray(full), np.asarray(dflash_train_logits(model, batch["io"], taps, toks, anchors)),
+  full, sparse = compiled(dflash_multiview_logits, model, batch, 32, keep_recent)  # max_budget 32, batch's budget 16
+  np.testing.assert_allclose(np.asarray(full),
+                             np.asarray(compiled(dflash_train_logits, model, batch["io"], taps, toks, anchors)),
                              atol=1e-5)
   d = _budget(dflash, budget=budget, tail_tokens=32, keep_recent=keep_recent)
   _, pre = _prefill(target, d.spec, toks[:, :44], lens)
   for j in range(anchors.shape[1]):
     a = np.asarray(anchors[:, j])
-    state = d.spec.init_state(d.params, pre, c)
+    state = compiled(d.spec.init_state, d.params, pre, c)
     n = int((a - lens).max())
     if n:  # rows P .. a-1 written by one verify (rows past a-1 are not seen: length = a)
       vtaps = jnp.stack([taps[i, lens[i]:lens[i] + n] for i in range(b)])
-      state = d.spec.update(d.params, state, _verify(lens, a + 1, vtaps))
-    inf = d.spec.block_logits(d.params, state, toks[jnp.arange(b), a], BLOCK - 1)
+      state = compiled(d.spec.update, d.params, state, _verify(lens, a + 1, vtaps))
+    inf = compiled(d.spec.block_logits, d.params, state, toks[jnp.arange(b), a], BLOCK - 1)
     np.testing.assert_allclose(np.asarray(sparse[:, j]), np.asarray(inf), atol=2e-4, rtol=2e-4)
 
 

@@ -14,6 +14,7 @@ from longspec_jax.model import create_model
 from longspec_jax.tokenizer import save_hf_tokenizer, train_bpe
 from longspec_jax.training import distill_store as ds
 from longspec_jax.training.distill_store import DistillStore, DistillStoreConfig, build_distill_store
+from tests.compiled import compiled
 
 DOCS = [f"def function_{i}(x, y):\n    return x * {i} + y - {i % 7}\n" * (3 + i % 5) for i in range(40)]
 
@@ -54,7 +55,7 @@ def test_store_matches_a_direct_forward(setup):
   model = load_target(cfg.target)
   for i in (0, len(store.windows) - 1):
     rows = store.read_window(i)
-    out_ = model(jnp.asarray(rows["tokens"])[None], mode="train", taps=(1, 2), return_kv=True)
+    out_ = compiled(model, jnp.asarray(rows["tokens"])[None], mode="train", taps=(1, 2), return_kv=True)
     lp = jax.nn.log_softmax(out_.logits[0].astype(jnp.float32), axis=-1)
     vals, ids = jax.lax.top_k(lp, 5)
     np.testing.assert_array_equal(rows["topk_ids"], np.asarray(ids))
@@ -471,7 +472,8 @@ def test_dels_trains_from_the_store_over_store_dflash_and_longspark(setup, tmp_p
   v = store_val_hits(cfg("b"), drafter.spec.cfg, head, base)
   batch = {n: jnp.asarray(x) for n, x in base.sampler.batch(0, 2).items()}
   ids = base.draft_ids
-  logits = np.asarray(train_batch_logits(base.model, {**batch, "io": base.head_io["io"]})).reshape(-1, 3, len(ids))
+  logits = np.asarray(compiled(train_batch_logits, base.model, {**batch, "io": base.head_io["io"]}))
+  logits = logits.reshape(-1, 3, len(ids))
   label = np.asarray(base.head_io["t2d"])[np.asarray(batch["topk_ids"][..., 0])].reshape(-1, 3)
   full = np.all(np.asarray(batch["label_w"]) > 0, -1).reshape(-1)
   assert full.sum() > 0

@@ -16,6 +16,7 @@ from longspec_jax.drafters.eagle3 import Eagle3Drafter
 from longspec_jax.inference import engine
 from longspec_jax.inference.generate import generate
 from longspec_jax.sampling import SamplingParams
+from tests.compiled import compiled
 from tests.test_eagle3 import _eagle
 from tests.test_speculative import _prompts, target  # noqa: F401
 
@@ -92,13 +93,13 @@ def test_tree_masked_extend_attention_equals_dense():
   kc, vc = (jnp.asarray(rng.normal(size=(b, hkv, s, d)), jnp.float32) for _ in range(2))
   start = jnp.asarray([5, 11])
   positions = start[:, None] + jnp.asarray(TREE.depths)[None]
-  out = extend_attention(q, k, v, kc, vc, positions, new_visible=TREE.ancestor_mask())
-  keys = jnp.concatenate([kc.transpose(0, 2, 1, 3), k], axis=1)
-  vals = jnp.concatenate([vc.transpose(0, 2, 1, 3), v], axis=1)
-  cache_vis = jnp.arange(s)[None, None, :] < start[:, None, None]
-  visible = jnp.concatenate([jnp.broadcast_to(cache_vis, (b, n, s)),
-                             jnp.broadcast_to(jnp.asarray(TREE.ancestor_mask()), (b, n, n))], axis=2)
-  np.testing.assert_allclose(out, dense_masked_attention(q, keys, vals, visible), atol=1e-5)
+  out = compiled(extend_attention, q, k, v, kc, vc, positions, new_visible=TREE.ancestor_mask())
+  keys = np.concatenate([np.asarray(kc).transpose(0, 2, 1, 3), k], axis=1)
+  vals = np.concatenate([np.asarray(vc).transpose(0, 2, 1, 3), v], axis=1)
+  cache_vis = np.arange(s)[None, None, :] < np.asarray(start)[:, None, None]
+  visible = np.concatenate([np.broadcast_to(cache_vis, (b, n, s)),
+                            np.broadcast_to(TREE.ancestor_mask(), (b, n, n))], axis=2)
+  np.testing.assert_allclose(out, compiled(dense_masked_attention, q, keys, vals, visible), atol=1e-5)
 
 
 def test_verify_tree_greedy_walks_the_tree():
@@ -116,7 +117,7 @@ def test_verify_tree_greedy_walks_the_tree():
         if kids and rng.random() < 0.6:
           vals[rng.integers(len(kids))] = argmax[bi, p]
         tokens[bi, kids] = vals
-    n_acc, committed, path = verify_tree_greedy(logits, jnp.asarray(tokens), TREE)
+    n_acc, committed, path = (np.asarray(x) for x in compiled(verify_tree_greedy, logits, jnp.asarray(tokens), TREE))
     for bi in range(3):  # the hand walk
       node, walk = 0, [0]
       while True:
@@ -140,10 +141,10 @@ def test_eagle3_tree_drafts_extend_its_chain(target):
   eagle = _eagle(target)
   prompts = _prompts(2, [9, 30])
   config, params, inputs = engine.prepare(target, prompts, 8, drafter=eagle, num_draft=4)
-  state = engine.prefill_and_start(config, params, inputs)
+  state = compiled(engine.prefill_and_start, config, params, inputs)
   ctx = ProposeContext(tokens=state.tokens, num_tokens=state.num_tokens, sampling=SamplingParams.make(0.0))
-  chain, _, _ = eagle.spec.propose(eagle.params, state.drafter_state, ctx, jax.random.key(0), 4, False)
-  nodes, _ = eagle.spec.propose_tree(eagle.params, state.drafter_state, ctx, TREE)
+  chain, _, _ = compiled(eagle.spec.propose, eagle.params, state.drafter_state, ctx, jax.random.key(0), 4, False)
+  nodes, _ = compiled(eagle.spec.propose_tree, eagle.params, state.drafter_state, ctx, TREE)
   idx = {p: i for i, p in enumerate(TREE.paths)}
   for depth in range(1, 5):
     np.testing.assert_array_equal(nodes[:, idx[(0,) * depth]], chain[:, depth - 1])
@@ -204,8 +205,8 @@ def test_deep_acceptance_on_a_side_branch_equals_ar(target):
   config, params, inputs = engine.prepare(target, prompts, new, eos_id=-1, drafter=oracle, tree=tree)
   state, _, _ = engine.run(config, params, inputs)
   lens = np.asarray(state.target_cache.lengths)
-  pre = engine.prefill(config.graphdef, params.target, state.tokens, state.target_cache.lengths,
-                       max_len=config.max_len)
+  pre = compiled(engine.prefill, config.graphdef, params.target, state.tokens, state.target_cache.lengths,
+                 max_len=config.max_len)
   for layer in (0, target.cfg.num_hidden_layers - 1):
     for b, n in enumerate(lens):
       np.testing.assert_allclose(state.target_cache.k[layer][b, :, :n], pre.cache.k[layer][b, :, :n], atol=1e-4)

@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from longspec_jax.drafters import load_drafter  # noqa: E402
 from longspec_jax.hf_drafter_formats import export_drafter  # noqa: E402
 from longspec_jax.hf_io import load_model_dir  # noqa: E402
+from tests.compiled import compiled  # noqa: E402
 
 V, H, N, HEADS, KV, HD = 128, 32, 6, 4, 2, 8
 MASK = 2  # DFlash's mask token in the Qwen3 target's vocabulary
@@ -101,19 +102,25 @@ def _their_eagle3_logits(model, features: torch.Tensor, row_tokens: np.ndarray) 
   return seen[0].float().numpy()
 
 
+def _eagle3_rows_logits(net, embed, row_tokens, taps, pos, cache):
+  """Our drafter's logits for rows of target taps and row tokens, in one prefill pass."""
+  from longspec_jax.drafters.eagle3 import run_cached
+  h, _ = run_cached(net, embed[row_tokens], net.feature(taps), pos, cache, "prefill")
+  return net.logits(h)
+
+
 def _our_eagle3_logits(loaded, target, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """(our target's taps [1, T, n, H], our drafter's logits [1, T, draft vocab]) for rows 0..T-1 of `tokens`
   [1, T+1] (row p: the feature at p, the token at p+1)."""
-  from longspec_jax.drafters.eagle3 import run_cached
   from longspec_jax.kv_cache import KVCache
   spec, params = loaded.spec, loaded.params
   t = tokens.shape[1] - 1
-  taps = target(jnp.asarray(tokens[:, :t]), mode="train", taps=spec.taps, return_logits=False).taps
+  taps = compiled(target, jnp.asarray(tokens[:, :t]), mode="train", taps=spec.taps, return_logits=False).taps
   net = spec._net(params)
   cache = KVCache.zeros(1, 1, t, spec.cfg.num_key_value_heads, spec.cfg.head_dim, "float32")
   pos = jnp.arange(t, dtype=jnp.int32)[None]
-  h, _ = run_cached(net, params["embed"][jnp.asarray(tokens[:, 1:])], net.feature(taps), pos, cache, "prefill")
-  return np.asarray(taps), np.asarray(net.logits(h))
+  logits = compiled(_eagle3_rows_logits, net, params["embed"], jnp.asarray(tokens[:, 1:]), taps, pos, cache)
+  return np.asarray(taps), np.asarray(logits)
 
 
 def _check_eagle3(model, loaded, target, hf, ids, tokens):
@@ -252,11 +259,11 @@ def _our_dflash_logits(loaded, target, ctx: np.ndarray, pending: int) -> np.ndar
   from longspec_jax.drafters.base import PrefillResult
   spec, params = loaded.spec, loaded.params
   c = ctx.shape[1]
-  taps = target(jnp.asarray(ctx), mode="train", taps=spec.taps, return_logits=False).taps
+  taps = compiled(target, jnp.asarray(ctx), mode="train", taps=spec.taps, return_logits=False).taps
   pre = PrefillResult(prompt_tokens=jnp.asarray(ctx), tokens=None, prompt_lens=jnp.asarray([c]), taps=taps,
                       new_kv=None, target_cache=None)
-  state = spec.init_state(params, pre, c + BLOCK)
-  return np.asarray(spec.block_logits(params, state, jnp.asarray([pending]), BLOCK - 1))
+  state = compiled(spec.init_state, params, pre, c + BLOCK)
+  return np.asarray(compiled(spec.block_logits, params, state, jnp.asarray([pending]), BLOCK - 1))
 
 
 def test_dflash_zlab_save_we_load_and_back(targets, tmp_path):

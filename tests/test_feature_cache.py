@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.compiled import compiled
 from tests.test_train_drafter import env  # noqa: F401  (tiny target + make-drafter-data output)
 from longspec_jax.training import feature_cache as fc
 from longspec_jax.training.drafter_data import load_drafter_data, weights_sha256
@@ -38,7 +39,7 @@ def test_cached_features_equal_the_target_forward(env, tmp_path):
   rows = fc.data_rows(ds)
   cache = fc.FeatureCache.open(data, taps=TAPS, weights_id=sha, num_rows=len(rows))
   for i in (0, 3, len(rows) - 1):
-    out = target(jnp.asarray([rows[i]]), mode="train", taps=TAPS, return_kv=True, return_logits=False)
+    out = compiled(target, jnp.asarray([rows[i]]), mode="train", taps=TAPS, return_kv=True, return_logits=False)
     got = cache.window_taps(i, 0, len(rows[i]) + 5, TAPS[::-1])  # any order, zero past the row's end
     np.testing.assert_allclose(got[:len(rows[i])].astype(np.float32), np.asarray(out.taps[0][:, ::-1]),
                                rtol=2e-3, atol=2e-3)
@@ -135,7 +136,7 @@ def test_dflash_and_eagle3_train_from_the_cache(env, tmp_path):
   cached = fc.open_row_taps([data], datasets, taps=(2,), weights_id=weights_sha256(tmp / "target"), mode="auto")
   batch = fc.with_taps(sampler.batch(0, 2), cached, (2,), np.float32)
   assert "row" not in batch and batch["taps"].shape == (2, 32, 1, 32)
-  full = np.asarray(target(jnp.asarray(batch["tokens"]), mode="train", taps=(2,), return_logits=False).taps)
+  full = np.asarray(compiled(target, jnp.asarray(batch["tokens"]), mode="train", taps=(2,), return_logits=False).taps)
   real = batch["tokens"] != 0  # pad id 0; windows start at their row's start here (rows are < 32 tokens)
   np.testing.assert_allclose(batch["taps"][real], full[real], rtol=2e-3, atol=2e-3)
 
@@ -187,11 +188,11 @@ def test_dflash_tap_scale_folds_into_fc(env):
   model = create_dflash(dcfg, seed=1)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, 300, (2, 24)), jnp.int32)
-  taps = target(tokens, mode="train", taps=dcfg.taps, return_logits=False).taps
+  taps = compiled(target, tokens, mode="train", taps=dcfg.taps, return_logits=False).taps
   scale = jnp.asarray(rng.uniform(0.01, 3.0, taps.shape[2:]), jnp.float32)
   anchors = jnp.asarray([[3, 9], [5, 17]], jnp.int32)
   io = target_io(target)
-  scaled = dflash_train_logits(model, io, taps, tokens, anchors, scale)
+  scaled = compiled(dflash_train_logits, model, io, taps, tokens, anchors, scale)
   fold_input_scale(model.fc, np.asarray(scale))
-  np.testing.assert_allclose(np.asarray(dflash_train_logits(model, io, taps, tokens, anchors)), np.asarray(scaled),
-                             rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(compiled(dflash_train_logits, model, io, taps, tokens, anchors)),
+                             np.asarray(scaled), rtol=1e-4, atol=1e-4)

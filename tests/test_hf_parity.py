@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from longspec_jax.inference.generate import generate  # noqa: E402
 from longspec_jax.hf_io import load_model_dir, save_model_dir  # noqa: E402
+from tests.compiled import compiled  # noqa: E402
 
 ROPE_VARIANTS = {
     "default": None,
@@ -51,7 +52,7 @@ def test_load_hf_logits_match(tmp_path, family, rope):
   hf.save_pretrained(tmp_path)
   ours = load_model_dir(tmp_path)
   ids = np.random.default_rng(0).integers(0, 128, (2, 48))
-  diff = np.abs(torch_logits(hf, ids) - np.asarray(ours(jnp.asarray(ids), mode="train").logits)).max()
+  diff = np.abs(torch_logits(hf, ids) - np.asarray(compiled(ours, jnp.asarray(ids), mode="train").logits)).max()
   assert diff <= 1e-4, f"{family}/{rope}: max abs logit diff {diff}"
 
 
@@ -76,7 +77,7 @@ def test_export_loads_in_transformers(tmp_path, family):
   save_model_dir(ours, tmp_path / "out")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
   ids = np.random.default_rng(1).integers(0, 128, (1, 30))
-  diff = np.abs(torch_logits(back, ids) - np.asarray(ours(jnp.asarray(ids), mode="train").logits)).max()
+  diff = np.abs(torch_logits(back, ids) - np.asarray(compiled(ours, jnp.asarray(ids), mode="train").logits)).max()
   assert diff <= 1e-4
 
 
@@ -90,10 +91,10 @@ def test_sharded_index_and_bf16(tmp_path):
   assert len(set(index["weight_map"].values())) > 1
   again = load_model_dir(tmp_path / "sharded")
   ids = jnp.asarray(np.random.default_rng(2).integers(0, 128, (1, 16)))
-  assert np.abs(np.asarray(again(ids).logits) - np.asarray(ours(ids).logits)).max() == 0
+  assert np.abs(np.asarray(compiled(again, ids).logits) - np.asarray(compiled(ours, ids).logits)).max() == 0
   # bf16 on disk: loads into fp32 params equal to the rounded weights; transformers reads it too.
   save_model_dir(ours, tmp_path / "bf16", dtype=jnp.bfloat16)
   bf = load_model_dir(tmp_path / "bf16")
   hf_bf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
-  diff = np.abs(torch_logits(hf_bf, np.asarray(ids)) - np.asarray(bf(ids).logits)).max()
+  diff = np.abs(torch_logits(hf_bf, np.asarray(ids)) - np.asarray(compiled(bf, ids).logits)).max()
   assert diff <= 1e-4

@@ -46,10 +46,8 @@ def test_hybrid_with_the_shipped_eagle3_equals_ar():
   ar = generate(target, prompts, max_new_tokens=32, eos_id=-1).tokens
   hybrid = load_drafter("hybrid", target)
   fixed = generate(target, prompts, max_new_tokens=32, eos_id=-1, drafter=hybrid, num_draft=4)
-  auto = generate(target, prompts, max_new_tokens=32, eos_id=-1, drafter=hybrid, num_draft=4, draft_length="auto")
-  assert fixed.tokens == ar and auto.tokens == ar
+  assert fixed.tokens == ar  # with draft_length="auto": test_shipped_drafters' bf16-weight target
   assert fixed.stats["tau"] >= 2.0  # two of the three prompts repeat: the lookup finds the repeat
-  assert len(auto.stats["class_rates"]) == 4  # learned, then the lookup by matched n-gram length
   # learned=: a block drafter (DFlash, with its shipped checkpoint) in place of EAGLE-3
   with_dflash = load_drafter("hybrid", target, learned="dflash")
   assert with_dflash.spec.learned.name == "dflash"

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from longspec_jax.inference.generate import generate
 from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult, state_nbytes
-from longspec_jax.drafters.longspark import (create_longspark, load_longspark, longspark_config_for,
+from longspec_jax.drafters.longspark import (LongSparkModel, create_longspark, load_longspark, longspark_config_for,
                                              longspark_from_model, merge_rows, save_longspark_dir)
 from longspec_jax.drafters import load_drafter
 from longspec_jax.drafters.frozen_target import DRAFT_VOCAB_FILE, head_logits, restrict_head, target_io
@@ -27,6 +27,7 @@ from tests.test_speculative import (N_POS, V, _cfg, _chi2_pvalues, _exact_margin
                                     peaky_target, target)  # noqa: F401  (fixtures)
 from tests.test_train_drafter import env  # noqa: F401  (fixture: tiny target + target-generated data)
 from longspec_jax.drafters.longspark import anchor_summaries, longspark_train_logits
+from tests.compiled import compiled
 
 W = 16  # a small raw window so that the tests' prompts and decodes wrap the ring
 
@@ -57,19 +58,23 @@ def test_merge_rows_equals_one_softmax_over_all_rows():
   s_all = jnp.asarray(rng.normal(0, 3, (2, 5, 40)), jnp.float32)  # [batch, slots, rows]
   v_all = jnp.asarray(rng.normal(0, 1, (2, 40, 8)), jnp.float32)
   valid = jnp.asarray(rng.random((2, 40)) < 0.7)
-  out, lse = jnp.zeros((2, 5, 8)), jnp.full((2, 5), -jnp.inf)
-  for lo, hi in [(0, 3), (3, 4), (4, 4), (4, 25), (25, 40)]:  # uneven chunks, one empty
-    out, lse = merge_rows(out, lse, s_all[..., lo:hi], v_all[:, lo:hi], valid[:, lo:hi])
-  ref_s = jnp.where(valid[:, None], s_all, -jnp.inf)
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(jax.nn.logsumexp(ref_s, -1)), rtol=1e-6, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.einsum("bsr,brd->bsd", jax.nn.softmax(ref_s, -1),
-                                                                    v_all)), rtol=1e-5, atol=1e-5)
+
+  def merge_chunks(out, lse):
+    for lo, hi in [(0, 3), (3, 4), (4, 4), (4, 25), (25, 40)]:  # uneven chunks, one empty
+      out, lse = merge_rows(out, lse, s_all[..., lo:hi], v_all[:, lo:hi], valid[:, lo:hi])
+    return out, lse
+  out, lse = compiled(merge_chunks, jnp.zeros((2, 5, 8)), jnp.full((2, 5), -jnp.inf))
+  ref_s = np.where(np.asarray(valid)[:, None], np.asarray(s_all, np.float64), -np.inf)  # the reference: numpy
+  ref_lse = np.log(np.exp(ref_s - ref_s.max(-1, keepdims=True)).sum(-1)) + ref_s.max(-1)
+  np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), np.einsum("bsr,brd->bsd", np.exp(ref_s - ref_lse[..., None]),
+                                                        np.asarray(v_all, np.float64)), rtol=1e-5, atol=1e-5)
   # No valid row: bit-identical; and the empty summary stays empty without NaNs.
-  o2, l2 = merge_rows(out, lse, s_all[..., :6], v_all[:, :6], jnp.zeros((2, 6), bool))
+  o2, l2 = compiled(merge_rows, out, lse, s_all[..., :6], v_all[:, :6], jnp.zeros((2, 6), bool))
   np.testing.assert_array_equal(np.asarray(o2), np.asarray(out))
   np.testing.assert_array_equal(np.asarray(l2), np.asarray(lse))
-  o3, l3 = merge_rows(jnp.zeros((2, 5, 8)), jnp.full((2, 5), -jnp.inf), s_all[..., :6], v_all[:, :6],
-                      jnp.zeros((2, 6), bool))
+  o3, l3 = compiled(merge_rows, jnp.zeros((2, 5, 8)), jnp.full((2, 5), -jnp.inf), s_all[..., :6], v_all[:, :6],
+                    jnp.zeros((2, 6), bool))
   assert np.all(np.asarray(o3) == 0) and np.all(np.isneginf(np.asarray(l3)))
 
 
@@ -105,29 +110,29 @@ def _step_by_step(target_model, drafter, prompts, steps, k):
   tokens, lens = pad_prompts(prompts, 1, max(map(len, prompts)))
   tokens, lens = jnp.asarray(tokens), jnp.asarray(lens)
   b, max_len = tokens.shape[0], 256
-  out = target_model(tokens, cache=target_model.init_cache(b, max_len), mode="prefill", logits_at=(lens - 1)[:, None],
-                     taps=spec.taps, return_kv=True)
+  out = compiled(target_model, tokens, cache=target_model.init_cache(b, max_len), mode="prefill",
+                 logits_at=(lens - 1)[:, None], taps=spec.taps, return_kv=True)
   first = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
   buf = jnp.zeros((b, max_len), jnp.int32).at[:, :tokens.shape[1]].set(tokens).at[jnp.arange(b), lens].set(first)
   cache = out.cache.replace(lengths=lens)
-  state = spec.init_state(params, PrefillResult(prompt_tokens=tokens, tokens=buf, prompt_lens=lens, taps=out.taps,
-                                                new_kv=out.new_kv, target_cache=cache), max_len)
+  state = compiled(spec.init_state, params, PrefillResult(prompt_tokens=tokens, tokens=buf, prompt_lens=lens,
+                                                         taps=out.taps, new_kv=out.new_kv, target_cache=cache), max_len)
   num_tokens = lens + 1
   yield state, cache, lens
   for step in range(steps):
     ctx = ProposeContext(tokens=buf, num_tokens=num_tokens, sampling=SamplingParams.make(0.0))
-    drafts, _, state = spec.propose(params, state, ctx, jax.random.key(step), k, False)
+    drafts, _, state = compiled(spec.propose, params, state, ctx, jax.random.key(step), k, False)
     start = cache.lengths
     pending = jnp.take_along_axis(buf, start[:, None], axis=1)
-    vout = target_model(jnp.concatenate([pending, drafts], 1), cache=cache, mode="extend", taps=spec.taps,
-                        return_kv=True)
-    n_acc, committed = verify_greedy(vout.logits, drafts)
+    vout = compiled(target_model, jnp.concatenate([pending, drafts], 1), cache=cache, mode="extend", taps=spec.taps,
+                    return_kv=True)
+    n_acc, committed = compiled(verify_greedy, vout.logits, drafts)
     pos = num_tokens[:, None] + jnp.arange(k + 1)[None, :]
     buf = buf.at[jnp.arange(b)[:, None], jnp.where(jnp.arange(k + 1) <= n_acc[:, None], pos, max_len)].set(
         committed, mode="drop")
     num_tokens = num_tokens + n_acc + 1
     cache = vout.cache.replace(lengths=num_tokens - 1)
-    state = spec.update(params, state, VerifyResult(
+    state = compiled(spec.update, params, state, VerifyResult(
         start=start, num_accepted=n_acc, committed=committed, num_committed=n_acc + 1, taps=vout.taps,
         new_kv=vout.new_kv, tokens=buf, num_tokens=num_tokens))
     yield state, cache, num_tokens - 1
@@ -195,7 +200,7 @@ def test_update_with_nothing_committed_leaves_the_state_unchanged(target, longsp
   vr = VerifyResult(start=s0.length, num_accepted=jnp.zeros((2,), jnp.int32), committed=jnp.zeros((2, k1), jnp.int32),
                     num_committed=jnp.zeros((2,), jnp.int32), taps=taps, new_kv=kv,
                     tokens=None, num_tokens=s0.length + 1)
-  s1 = spec.update(params, s0, vr)
+  s1 = compiled(spec.update, params, s0, vr)
   for name in ("g_out", "g_lse", "ring_k", "ring_v", "hidden", "length"):
     np.testing.assert_array_equal(np.asarray(getattr(s1, name)), np.asarray(getattr(s0, name)), err_msg=name)
 
@@ -212,17 +217,17 @@ def test_training_forward_matches_inference(target, pre_len):
   cfg = m.cfg
   b, t, bs = 2, 40, cfg.block_size
   toks = jnp.asarray(np.random.default_rng(0).integers(3, V, (b, t)), jnp.int32)
-  out = target(toks, mode="train", taps=cfg.taps, return_kv=True, return_logits=False)
+  out = compiled(target, toks, mode="train", taps=cfg.taps, return_kv=True, return_logits=False)
   ids = jnp.asarray(cfg.target_layer_ids)
   k, v = out.new_kv[0][ids], out.new_kv[1][ids]  # [L, B, T, Hkv, D]
   anchors = jnp.asarray([[11, 17, 30], [12, 20, 31]], jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-  g_out = anchor_summaries(m, k, v, jnp.full((b,), pre_len), k, v, pos, anchors)
+  g_out = compiled(anchor_summaries, m, k, v, jnp.full((b,), pre_len), k, v, pos, anchors)
   boundary = jnp.take_along_axis(out.taps, (anchors - 1)[..., None, None], axis=1)
   nxt = anchors[..., None] + jnp.arange(bs)
   prev = jnp.take_along_axis(toks[:, None, :], jnp.minimum(nxt, t - 1), axis=2)
-  train_logits = longspark_train_logits(m, target_io(target, final_norm=True), boundary, anchors, g_out, k, v, pos,
-                                        prev)
+  train_logits = compiled(longspark_train_logits, m, target_io(target, final_norm=True), boundary, anchors, g_out, k,
+                          v, pos, prev)
   init, block = jax.jit(d.spec.init_state, static_argnums=2), jax.jit(d.spec.block_logits)  # one compile each
   for j in range(anchors.shape[1]):
     a = anchors[:, j]
@@ -406,11 +411,11 @@ def test_position_shift_is_the_same_text_at_later_positions(target):
   toks = jnp.asarray(np.random.default_rng(1).integers(3, V, (2, 24)), jnp.int32)
   shift = jnp.asarray([0, 1500], jnp.int32)
   ids = jnp.asarray(m.cfg.target_layer_ids)
-  base = target(toks, mode="train", taps=m.cfg.taps, return_kv=True, return_logits=False)
-  moved = target(toks, mode="train", taps=m.cfg.taps, return_kv=True, return_logits=False,
-                 positions=jnp.arange(24)[None, :] + shift[:, None])
+  base = compiled(target, toks, mode="train", taps=m.cfg.taps, return_kv=True, return_logits=False)
+  moved = compiled(target, toks, mode="train", taps=m.cfg.taps, return_kv=True, return_logits=False,
+                   positions=jnp.arange(24)[None, :] + shift[:, None])
   k = base.new_kv[0][ids]
-  got = shift_window(m, {"shift": shift, "pre_k": k, "slab_k": k})
+  got = compiled(shift_window, m, {"shift": shift, "pre_k": k, "slab_k": k})
   np.testing.assert_allclose(np.asarray(got["pre_k"]), np.asarray(moved.new_kv[0][ids]), atol=2e-4)
   np.testing.assert_allclose(np.asarray(base.taps), np.asarray(moved.taps), atol=2e-4)
 
@@ -424,10 +429,10 @@ def test_boundary_scale_folds_into_the_state_encoder(target):
   boundary = jnp.asarray(rng.normal(0, 30, (3, 2, target.cfg.hidden_size)), jnp.float32)  # [B, L, H]
   scale = rng.uniform(0.01, 3.0, boundary.shape[1:]).astype(np.float32)
   pending, io = jnp.asarray([4, 9, 17], jnp.int32), target_io(target, final_norm=True)
-  scaled = m.block_input(io, pending, boundary * scale)
+  scaled = compiled(LongSparkModel.block_input, m, io, pending, boundary * scale)
   fold_input_scale(m.draft_state_encoder.proj.fc_in, scale)
-  np.testing.assert_allclose(np.asarray(m.block_input(io, pending, boundary)), np.asarray(scaled),
-                             rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(compiled(LongSparkModel.block_input, m, io, pending, boundary)),
+                             np.asarray(scaled), rtol=1e-4, atol=1e-4)
 
 
 def test_target_without_mask_token_and_with_yarn(target):

@@ -8,6 +8,7 @@ from flax import nnx
 
 from longspec_jax.attention import causal_attention, extend_attention
 from longspec_jax.model import int8_matmul, matmul
+from tests.compiled import compiled
 
 
 def naive_causal(q, k, v):
@@ -49,24 +50,26 @@ def test_extend_attention_reads_committed_cache_rows_and_new_rows_causally(earli
   start = np.array([5, 10])  # position of the first new row
   pos = jnp.asarray(start[:, None] + earlier + np.arange(t))
   out, lse = extend_attention(q, k_new, v_new, kc, vc, pos, return_lse=True)
+  q, k_new, v_new, kc, vc = (np.asarray(x, np.float64) for x in (q, k_new, v_new, kc, vc))  # the reference: numpy
   for bi in range(b):
     for ti in range(t):
-      keys = jnp.concatenate([kc[bi, :, :start[bi]].transpose(1, 0, 2), k_new[bi, :earlier + ti + 1]])
-      vals = jnp.concatenate([vc[bi, :, :start[bi]].transpose(1, 0, 2), v_new[bi, :earlier + ti + 1]])
-      kk, vv = jnp.repeat(keys, hq // hkv, axis=1), jnp.repeat(vals, hq // hkv, axis=1)
-      sc = jnp.einsum("hd,shd->hs", q[bi, ti], kk) / np.sqrt(d)
-      np.testing.assert_allclose(lse[bi, ti], jax.nn.logsumexp(sc, -1), atol=1e-5)
-      np.testing.assert_allclose(out[bi, ti], jnp.einsum("hs,shd->hd", jax.nn.softmax(sc, -1), vv), atol=1e-5)
+      keys = np.concatenate([kc[bi, :, :start[bi]].transpose(1, 0, 2), k_new[bi, :earlier + ti + 1]])
+      vals = np.concatenate([vc[bi, :, :start[bi]].transpose(1, 0, 2), v_new[bi, :earlier + ti + 1]])
+      kk, vv = np.repeat(keys, hq // hkv, axis=1), np.repeat(vals, hq // hkv, axis=1)
+      sc = np.einsum("hd,shd->hs", q[bi, ti], kk) / np.sqrt(d)
+      lse_ref = np.log(np.exp(sc - sc.max(-1, keepdims=True)).sum(-1)) + sc.max(-1)
+      np.testing.assert_allclose(lse[bi, ti], lse_ref, atol=1e-5)
+      np.testing.assert_allclose(out[bi, ti], np.einsum("hs,shd->hd", np.exp(sc - lse_ref[:, None]), vv), atol=1e-5)
 
 
 def test_prefill_then_extend_matches_full_forward(tiny_model):
   m = tiny_model
   tok = jnp.asarray(np.random.default_rng(2).integers(0, 128, (2, 40)))
-  full = m(tok, mode="train").logits
+  full = compiled(m, tok, mode="train").logits
   cache = m.init_cache(2, 64)
-  pre = m(tok[:, :30], cache=cache, mode="prefill")
+  pre = compiled(m, tok[:, :30], cache=cache, mode="prefill")
   np.testing.assert_allclose(pre.logits, full[:, :30], atol=1e-5)
-  ext = m(tok[:, 30:], cache=pre.cache.replace(lengths=jnp.asarray([30, 30])), mode="extend")
+  ext = compiled(m, tok[:, 30:], cache=pre.cache.replace(lengths=jnp.asarray([30, 30])), mode="extend")
   np.testing.assert_allclose(ext.logits, full[:, 30:], atol=1e-5)
 
 
@@ -77,11 +80,11 @@ def test_ragged_extend_writes_at_each_offset(tiny_model):
   a, b = rng.integers(0, 128, 25), rng.integers(0, 128, 18)
   tok = np.zeros((2, 25), np.int32)
   tok[0], tok[1, :18] = a, b
-  pre = m(jnp.asarray(tok), cache=m.init_cache(2, 64), mode="prefill")
+  pre = compiled(m, jnp.asarray(tok), cache=m.init_cache(2, 64), mode="prefill")
   nxt = jnp.asarray([[7, 8], [9, 10]])
-  ext = m(nxt, cache=pre.cache.replace(lengths=jnp.asarray([25, 18])), mode="extend")
-  ref_a = m(jnp.asarray(np.concatenate([a, [7, 8]]))[None], mode="train").logits[0, -2:]
-  ref_b = m(jnp.asarray(np.concatenate([b, [9, 10]]))[None], mode="train").logits[0, -2:]
+  ext = compiled(m, nxt, cache=pre.cache.replace(lengths=jnp.asarray([25, 18])), mode="extend")
+  ref_a = compiled(m, jnp.asarray(np.concatenate([a, [7, 8]]))[None], mode="train").logits[0, -2:]
+  ref_b = compiled(m, jnp.asarray(np.concatenate([b, [9, 10]]))[None], mode="train").logits[0, -2:]
   np.testing.assert_allclose(ext.logits[0], ref_a, atol=1e-5)
   np.testing.assert_allclose(ext.logits[1], ref_b, atol=1e-5)
 
@@ -89,7 +92,7 @@ def test_ragged_extend_writes_at_each_offset(tiny_model):
 def test_taps_and_written_kv(tiny_model, tiny_cfg):
   m = tiny_model
   tok = jnp.asarray(np.random.default_rng(4).integers(0, 128, (1, 12)))
-  out = m(tok, cache=m.init_cache(1, 32), mode="prefill", taps=(0, 1, 2), return_kv=True)
+  out = compiled(m, tok, cache=m.init_cache(1, 32), mode="prefill", taps=(0, 1, 2), return_kv=True)
   assert out.taps.shape == (1, 12, 3, tiny_cfg.hidden_size)
   np.testing.assert_allclose(out.taps[:, :, 0], m.embed(tok), atol=0)
   np.testing.assert_allclose(out.taps[:, :, 2], out.hidden * 0 + out.taps[:, :, 2])  # final pre-norm stream
@@ -98,14 +101,14 @@ def test_taps_and_written_kv(tiny_model, tiny_cfg):
   cached_k = np.stack([x[:, :, :12].transpose(0, 2, 1, 3) for x in out.cache.k])  # -> [L, B, T, Hkv, D]
   np.testing.assert_allclose(cached_k, k, atol=0)
   with pytest.raises(ValueError, match="tap index"):
-    m(tok, mode="train", taps=(5,))
+    compiled(m, tok, mode="train", taps=(5,))
 
 
 def test_logits_at_selects_rows(tiny_model):
   m = tiny_model
   tok = jnp.asarray(np.random.default_rng(5).integers(0, 128, (2, 10)))
-  full = m(tok, mode="train").logits
-  sel = m(tok, mode="train", logits_at=jnp.asarray([[3], [9]])).logits
+  full = compiled(m, tok, mode="train").logits
+  sel = compiled(m, tok, mode="train", logits_at=jnp.asarray([[3], [9]])).logits
   np.testing.assert_allclose(sel[:, 0], jnp.stack([full[0, 3], full[1, 9]]), atol=1e-6)
 
 
@@ -140,13 +143,13 @@ def test_bf16_weight_model_decodes_like_its_own_forward(tiny_model):
   graphdef, state = nnx.split(tiny_model)
   m = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.bfloat16), state))
   tok = jnp.asarray(np.random.default_rng(7).integers(0, 128, (1, 21)))
-  full = m(tok, mode="train").logits
+  full = compiled(m, tok, mode="train").logits
   cache = m.init_cache(1, 32)
   assert full.dtype == jnp.float32 and cache.k[0].dtype == jnp.float32
-  pre = m(tok[:, :20], cache=cache, mode="prefill")
-  step = m(tok[:, 20:], cache=pre.cache.replace(lengths=jnp.asarray([20])), mode="extend")
+  pre = compiled(m, tok[:, :20], cache=cache, mode="prefill")
+  step = compiled(m, tok[:, 20:], cache=pre.cache.replace(lengths=jnp.asarray([20])), mode="extend")
   np.testing.assert_allclose(step.logits[:, 0], full[:, 20], atol=1e-4)
-  assert not np.allclose(full, tiny_model(tok, mode="train").logits, atol=1e-4)  # the weights really are bf16
+  assert not np.allclose(full, compiled(tiny_model, tok, mode="train").logits, atol=1e-4)  # the weights really are bf16
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7])
@@ -182,9 +185,9 @@ def test_int8_weight_model_decodes_like_its_own_forward(tiny_model):
   variables = jax.tree.leaves(nnx.state(m), is_leaf=lambda x: isinstance(x, nnx.Variable))
   assert all(v.get_metadata().get("logical_axes") for v in variables)
   tok = jnp.asarray(np.random.default_rng(9).integers(0, 128, (1, 21)))
-  full = m(tok, mode="train").logits
-  pre = m(tok[:, :20], cache=m.init_cache(1, 32), mode="prefill")
-  step = m(tok[:, 20:], cache=pre.cache.replace(lengths=jnp.asarray([20])), mode="extend")
+  full = compiled(m, tok, mode="train").logits
+  pre = compiled(m, tok[:, :20], cache=m.init_cache(1, 32), mode="prefill")
+  step = compiled(m, tok[:, 20:], cache=pre.cache.replace(lengths=jnp.asarray([20])), mode="extend")
   np.testing.assert_allclose(step.logits[:, 0], full[:, 20], atol=1e-4)
-  ref = tiny_model(tok, mode="train").logits
+  ref = compiled(tiny_model, tok, mode="train").logits
   assert 0 < np.abs(np.asarray(full - ref)).max() < 0.05 * np.abs(np.asarray(ref)).max()

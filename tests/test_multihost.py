@@ -1,11 +1,11 @@
 """Multi-host for real: two local CPU processes joined by jax.distributed on localhost (gloo collectives) train a
-drafter (PARD, DFlash, EAGLE-3) with the batch sharded across them, each building only its own rows, through the
-real CLI (`longspec --coordinator ... train-drafter`). Losses and final parameters must equal a single-process run
-on the same global batches (one process with two devices: the same mesh shape). For EAGLE-3 the two-process run is
-stopped after 3 of its 6 steps (an orbax checkpoint written by both processes) and resumed by a second two-process
-launch, so one comparison covers both the data-parallel steps and the multi-process checkpoint's exact resume (the
-checkpointing is the trainer's, shared by every drafter; each drafter's single-process resume is tested in its own
-file)."""
+drafter (EAGLE-3) with the batch sharded across them, each building only its own rows, through the real CLI
+(`longspec --coordinator ... train-drafter`). Losses and final parameters must equal a single-process run on the
+same global batches (one process with two devices: the same mesh shape). The two-process run is stopped after 3 of
+its 6 steps (an orbax checkpoint written by both processes) and resumed by a second two-process launch, so one
+comparison covers both the data-parallel steps and the multi-process checkpoint's exact resume (the checkpointing
+is the trainer's, shared by every drafter; each drafter's single-process resume is tested in its own file, and
+each drafter's sampler builds only its process's rows: test_each_process_builds_only_its_rows)."""
 
 import json
 import os
@@ -24,19 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 
 
-def _config(drafter: str, env, tmp_path) -> Path:
-  """A tiny config for `drafter` on the env fixture's data: batches of 4 rows split over 2 data devices."""
+def _config(env, tmp_path) -> Path:
+  """A tiny EAGLE-3 config on the env fixture's data: batches of 4 rows split over 2 data devices."""
   _, data_cfg = env
-  common = dict(out_dir=str(tmp_path / "unused"), batch_size=4, steps=STEPS, optim=dict(lr=0.02, warmup_steps=2),
-                val_fraction=0.2, compute_dtype="float32", log_every=1, checkpoint_every_minutes=100.0, mesh_data=2)
-  cfg = {
-      "dflash": dict(data_dirs=[data_cfg.out_dir], num_layers=1, num_target_taps=2, block_size=4, context_len=24,
-                     anchors_per_window=3, val_windows=2),
-      "eagle3": dict(data_dirs=[data_cfg.out_dir], context_len=16, ttt_steps=2, val_windows=2, attn_block=16,
-                     model=dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64)),
-  }[drafter]
-  path = tmp_path / f"{drafter}.yaml"
-  path.write_text(yaml.safe_dump({**common, **cfg}))
+  cfg = dict(out_dir=str(tmp_path / "unused"), batch_size=4, steps=STEPS, optim=dict(lr=0.02, warmup_steps=2),
+             val_fraction=0.2, compute_dtype="float32", log_every=1, checkpoint_every_minutes=100.0, mesh_data=2,
+             data_dirs=[data_cfg.out_dir], context_len=16, ttt_steps=2, val_windows=2, attn_block=16,
+             model=dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64))
+  path = tmp_path / "eagle3.yaml"
+  path.write_text(yaml.safe_dump(cfg))
   return path
 
 
@@ -87,34 +83,30 @@ def _params(out: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter,resume", [pytest.param("dflash", False, id="dflash"),
-                                             pytest.param("eagle3", True, id="eagle3")])
-def test_two_processes_train_like_one(drafter, resume, env, tmp_path):
-  """Two processes of one device each train what one process of two devices does, bit for bit. What differs
-  between the drafters under several processes is only which rows each process builds, and every drafter's
-  sampler is checked for that in test_each_process_builds_only_its_rows; the gradient all-reduce, process 0's
-  export and the resume are the trainer's, run here through DFlash and EAGLE-3 (with a resume)."""
-  config = _config(drafter, env, tmp_path)
+def test_two_processes_train_like_one(env, tmp_path):
+  """Two processes of one device each train what one process of two devices does, bit for bit, across a resume.
+  What differs between the drafters under several processes is only which rows each process builds, and every
+  drafter's sampler is checked for that in test_each_process_builds_only_its_rows; the gradient all-reduce, process
+  0's export and the resume are the trainer's, run here through EAGLE-3."""
+  config = _config(env, tmp_path)
   single, multi = tmp_path / "single", tmp_path / "multi"
-  _train(drafter, config, single, 1)
-  if resume:
-    assert "checkpoints" in _train(drafter, config, multi, 2, "--set", "stop_after_steps=3")[0]
-    assert len(_log(multi)) == 3
-  outs = _train(drafter, config, multi, 2)
-  if resume:
-    assert all("resumed from step 3" in o for o in outs)
+  _train("eagle3", config, single, 1)
+  assert "checkpoints" in _train("eagle3", config, multi, 2, "--set", "stop_after_steps=3")[0]
+  assert len(_log(multi)) == 3
+  outs = _train("eagle3", config, multi, 2)
+  assert all("resumed from step 3" in o for o in outs)
   assert (multi / "final" / "drafter.json").exists()  # written by process 0 only (process 1 returns before it)
 
   log_1, log_2 = _log(single), _log(multi)
-  print(f"{drafter}: single process, 2 devices:", json.dumps(log_1))
-  print(f"{drafter}: two processes, 1 device each{' (steps 4-6 after a resume)' if resume else ''}:", json.dumps(log_2))
+  print("single process, 2 devices:", json.dumps(log_1))
+  print("two processes, 1 device each (steps 4-6 after a resume):", json.dumps(log_2))
   # Same global batches, same mesh shape: the gradient all-reduce (gloo across processes, in-process otherwise)
   # sums the same two shards, so losses and gradient norms agree bit for bit.
   assert len(log_1) == STEPS and log_1 == log_2
   p1, p2 = _params(single), _params(multi)
   assert p1.keys() == p2.keys()
   worst = max(float(np.max(np.abs(p1[k].astype(np.float32) - p2[k].astype(np.float32)))) for k in p1)
-  print(f"{drafter}: final parameters: max |single - two-process| = {worst:.3g} over {len(p1)} tensors (exported)")
+  print(f"final parameters: max |single - two-process| = {worst:.3g} over {len(p1)} tensors (exported)")
   assert all(np.array_equal(p1[k], p2[k]) for k in p1)
 
 def test_each_process_builds_only_its_rows():

@@ -15,10 +15,11 @@ from longspec_jax.config import ModelConfig, RopeConfig
 from longspec_jax.drafters import load_drafter
 from longspec_jax.drafters.base import PrefillResult, ProposeContext
 from longspec_jax.drafters.pard import standalone_from_model
-from longspec_jax.model import create_model
+from longspec_jax.model import Transformer, create_model
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.sharpdraft import (SHARPDRAFT_FILE, SharpDraft, calibrate, exact_rho, fitted_alpha,
                                      load_sharpdraft, tangent_alpha)
+from tests.compiled import compiled
 
 V = 96
 N0 = 24  # tiny drafters below "were trained" on 24 keys
@@ -117,7 +118,7 @@ def test_fitted_alpha_follows_exact_over_the_range():
   n0, n_max = 512, 16384
   delta, sigma, k = np.array([[6.0]]), np.array([[1.5]]), np.array([[2.0]])
   grid = np.geomspace(n0, n_max, 50)
-  ex = np.asarray(exact_rho(grid[:, None, None], n0, delta, sigma, k), np.float64)
+  ex = np.asarray(compiled(exact_rho, grid[:, None, None], n0, delta, sigma, k), np.float64)
   err = {}
   for name, a in (("tangent", tangent_alpha(n0, delta, sigma, k)), ("fit", fitted_alpha(n0, delta, sigma, k, n_max))):
     err[name] = np.max(np.abs(1 + a * np.log(grid / n0)[:, None, None] - ex))
@@ -167,13 +168,16 @@ def test_calibration_recovers_known_alpha():
 def test_attention_logits_are_the_logits_attention_uses(small):
   """softmax(logits) @ V of layer 0 reproduces the model's own causal attention output of the last query."""
   tokens = jnp.asarray(_prompts([40, 40], seed=1))
-  logits = small.last_query_attention_logits(tokens)
+  logits = compiled(Transformer.last_query_attention_logits, small, tokens)
   assert len(logits) == 1 and logits[0].shape == (2, 4, 1, 40)
-  layer = small.layers[0]
   from longspec_jax.rope import rope_frequencies
-  pos = jnp.broadcast_to(jnp.arange(40)[None], (2, 40))
-  q, k, v = layer.self_attn.qkv(layer.input_layernorm(small.embed(tokens)), pos, rope_frequencies(small.cfg, 39))
-  ref = causal_attention(q, k, v)[:, -1]  # [B, Hq, D]
+
+  def attention_of_layer_0(model, tokens):
+    layer = model.layers[0]
+    pos = jnp.broadcast_to(jnp.arange(40)[None], (2, 40))
+    q, k, v = layer.self_attn.qkv(layer.input_layernorm(model.embed(tokens)), pos, rope_frequencies(model.cfg, 39))
+    return causal_attention(q, k, v)[:, -1], v  # [B, Hq, D]
+  ref, v = compiled(attention_of_layer_0, small, tokens)
   got = jnp.einsum("bhk,bkhd->bhd", jax.nn.softmax(logits[0][:, :, 0], -1), jnp.repeat(v, 2, axis=2))
   np.testing.assert_allclose(got, ref, atol=1e-5)
 

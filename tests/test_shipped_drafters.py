@@ -83,14 +83,14 @@ def test_smollm2_drafters_are_lossless_and_accept(method, k, smollm2_ar):
 
 @pytest.mark.slow
 def test_shipped_longspark_is_lossless_and_accepts_at_long_context():
-  """The shipped LongSpark on the shipped target: greedy output equals AR at a 6K-token context (past the 1.8-3.8K
+  """The shipped LongSpark on the shipped target: greedy output equals AR at a 4.5K-token context (past the 1.8-3.8K
   windows most of its training saw), and it drafts well there."""
   from longspec_jax import generate, load_drafter, load_target, load_tokenizer, long_doc_paths
 
   model, tok = load_target(), load_tokenizer()
   drafter = load_drafter("longspark", model)
   ids = tok.encode(long_doc_paths()[0].read_text()).ids
-  prompt = [model.cfg.bos_token_id] + ids[:6000]
+  prompt = [model.cfg.bos_token_id] + ids[:4500]
   ar = generate(model, [prompt], max_new_tokens=48)
   spec = generate(model, [prompt], max_new_tokens=48, drafter=drafter, num_draft=7)
   assert spec.tokens == ar.tokens
@@ -116,3 +116,5 @@ def test_bf16_weight_target_with_shipped_drafters_equals_its_ar(method, draft_le
                   draft_length=draft_length)
   assert spec.tokens == ar.tokens
   assert spec.stats["tau"] > 1.5, spec.stats
+  if draft_length == "auto":  # the hybrid's rates: the learned drafter, then the lookup by matched n-gram length
+    assert len(spec.stats["class_rates"]) == 4, spec.stats

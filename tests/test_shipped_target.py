@@ -30,7 +30,8 @@ def test_readme_generate_command(capsys):
 
 
 def _lookup_equals_ar(model, doc: int) -> None:
-  """Greedy prompt lookup (K = 1 and 6) equals greedy AR of `model`, token for token, on two prompts of real text."""
+  """Greedy prompt lookup (K = 6: a 7-row verify pass against the 1-row decode steps of AR, where a narrow dtype's
+  rounding could part them) equals greedy AR of `model`, token for token, on two prompts of real text."""
   from longspec_jax.inference.generate import generate
   from longspec_jax.drafters.base import LoadedDrafter
   from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
@@ -39,9 +40,7 @@ def _lookup_equals_ar(model, doc: int) -> None:
   prompts = [[model.cfg.bos_token_id] + ids[:300], [model.cfg.bos_token_id] + ids[1000:1120]]
   ar = generate(model, prompts, max_new_tokens=40, eos_id=-1)
   drafter = LoadedDrafter(PromptLookupDrafter(model.cfg.vocab_size))
-  for k in (1, 6):
-    sp = generate(model, prompts, max_new_tokens=40, eos_id=-1, drafter=drafter, num_draft=k)
-    assert sp.tokens == ar.tokens, f"K={k}"
+  assert generate(model, prompts, max_new_tokens=40, eos_id=-1, drafter=drafter, num_draft=6).tokens == ar.tokens
 
 
 def test_int8_target_spec_equals_ar():

@@ -15,6 +15,7 @@ from longspec_jax.drafters.prompt_lookup import PromptLookupDrafter
 from longspec_jax.drafters.pard import standalone_from_model
 from longspec_jax.model import create_model
 from longspec_jax.sampling import SamplingParams, processed_log_probs
+from tests.compiled import compiled
 
 V = 96
 
@@ -103,10 +104,10 @@ def test_drafter_state_shape_constant(target, drafters, name):
   cache = target.init_cache(b, max_len)
   pre = PrefillResult(prompt_tokens=toks[:, :t], tokens=toks, prompt_lens=jnp.asarray([16, 9]), taps=None,
                       new_kv=None, target_cache=cache)
-  s0 = d.spec.init_state(d.params, pre, max_len)
+  s0 = compiled(d.spec.init_state, d.params, pre, max_len)
   ctx = ProposeContext(tokens=toks, num_tokens=jnp.asarray([17, 10]), sampling=SamplingParams.make(1.0))
-  drafts, probs, s1 = d.spec.propose(d.params, s0, ctx, jax.random.key(0), k, True)
-  s2 = d.spec.update(d.params, s1, _fake_verify(toks, ctx.num_tokens, k, cache))
+  drafts, probs, s1 = compiled(d.spec.propose, d.params, s0, ctx, jax.random.key(0), k, True)
+  s2 = compiled(d.spec.update, d.params, s1, _fake_verify(toks, ctx.num_tokens, k, cache))
   shape = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)
   assert shape(s0) == shape(s1) == shape(s2)
   assert drafts.shape == (b, k) and probs.shape == (b, k, V)
