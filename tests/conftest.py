@@ -39,8 +39,8 @@ def slow_test_ids() -> set[str]:
 def pytest_collection_modifyitems(config, items):
   """The tests listed in slow_tests.txt are slow too: `-m "not slow"` (the quick subset) leaves them out.
 
-  The modules that hold slow tests run first, each kept whole (its module fixtures set up once): under xdist the
-  run then ends on quick tests, and the two workers finish together instead of one waiting on a minute-long test."""
+  The modules that hold slow tests run first, each kept whole (its module fixtures set up once), so that under
+  xdist the run ends on quick modules rather than on a minute-long test."""
   slow = slow_test_ids()
   for item in items:
     if item.nodeid in slow:
