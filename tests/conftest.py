@@ -30,23 +30,31 @@ enable_compile_cache(str(COMPILE_CACHE))
 
 
 SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")  # measured: scripts/mark_slow_tests.py
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.txt")  # the same run
 
 
 def slow_test_ids() -> set[str]:
   return {line.strip() for line in SLOW_TESTS.read_text().splitlines() if line.strip() and not line.startswith("#")}
 
 
+def module_seconds() -> dict[str, float]:
+  rows = (line.split(maxsplit=1) for line in MODULE_SECONDS.read_text().splitlines() if line and line[0] != "#")
+  return {module.strip(): float(secs) for secs, module in rows}
+
+
 def pytest_collection_modifyitems(config, items):
   """The tests listed in slow_tests.txt are slow too: `-m "not slow"` (the quick subset) leaves them out.
 
-  The modules that hold slow tests run first, each kept whole (its module fixtures set up once), so that under
-  xdist the run ends on quick modules rather than on a minute-long test."""
+  Modules run longest first (measured, module_seconds.txt; a module not measured yet counts as longest), each kept
+  whole so its module fixtures are set up once per worker. xdist's work stealing (`--dist worksteal`, pyproject)
+  hands the idle worker the end of the other's queue, so the run ends on short tests: with the default `load`
+  scheduling and modules in name order, one worker once ran 120 s alone at the end."""
   slow = slow_test_ids()
   for item in items:
     if item.nodeid in slow:
       item.add_marker(pytest.mark.slow)
-  slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-  items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)  # stable: order within kept
+  measured = module_seconds()
+  items.sort(key=lambda item: -measured.get(item.nodeid.split("::")[0], float("inf")))  # stable: order within kept
 
 
 def pytest_sessionfinish(session):

@@ -1,6 +1,7 @@
 """DFlash drafter: lossless through the engine (greedy exact match, sampling statistics), training forward ==
 inference forward, constant state shape, the public z-lab checkpoint layout, bad input, and the trainer."""
 
+import dataclasses
 import json
 
 import jax
@@ -11,7 +12,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from longspec_jax.inference.generate import generate
-from longspec_jax.drafters.base import PrefillResult, ProposeContext, VerifyResult
+from longspec_jax.drafters.base import LoadedDrafter, PrefillResult, ProposeContext, VerifyResult
 from longspec_jax.drafters.dflash import (DFlashConfig, create_dflash, dflash_config_for, dflash_from_model,
                                           load_dflash, save_dflash_dir)
 from longspec_jax.drafters.frozen_target import default_target_layer_ids, target_io
@@ -49,6 +50,13 @@ def test_greedy_dflash_equals_ar(target, dflash, batch, lengths):
   for k in (1, BLOCK - 1):
     sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=dflash, num_draft=k)
     assert sp.tokens == ar.tokens, f"K={k}"
+  if batch > 1:  # SharpDraft's query scaling changes DFlash's drafts, never the output
+    from tests.test_sharpdraft import _sharp
+    cfg = dflash.spec.cfg.arch
+    sharp = LoadedDrafter(dataclasses.replace(dflash.spec, sharpdraft=_sharp("exact", cfg.num_hidden_layers,
+                                                                             cfg.num_attention_heads)), dflash.params)
+    sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=sharp, num_draft=BLOCK - 1)
+    assert sp.tokens == ar.tokens, "SharpDraft"
 
 
 def test_training_forward_matches_inference(target):

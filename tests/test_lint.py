@@ -78,3 +78,12 @@ def test_slow_list_names_existing_tests():
     if f"def {func}(" not in source:
       missing.append(node)
   assert missing == [], f"slow_tests.txt names tests that do not exist: {missing}"
+
+
+def test_module_seconds_name_existing_modules():
+  """tests/module_seconds.txt (the modules' measured order) names test modules that exist, and most of them."""
+  from tests.conftest import module_seconds
+  measured = module_seconds()
+  modules = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
+  assert set(measured) <= modules, sorted(set(measured) - modules)
+  assert len(measured) >= 0.8 * len(modules) and all(secs >= 0 for secs in measured.values())

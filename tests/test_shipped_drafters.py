@@ -75,10 +75,9 @@ def test_smollm2_drafters_are_lossless_and_accept(method, k, smollm2_ar):
   # A trained drafter: clearly more than one token per target pass on real text (an untrained one gives ~1.0;
   # these weak drafters measure 1.32 / 1.35 on these prompts).
   assert spec.stats["tau"] > 1.15, spec.stats
-  if method == "dflash":  # sharpdraft.json ships beside it; SharpDraft changes drafts, never the output
+  if method == "dflash":  # sharpdraft.json ships beside it (SharpDraft's exactness: tests/test_sharpdraft.py)
     sharp = load_drafter(method, model, sharpdraft="exact")
     assert sharp.spec.sharpdraft is not None and sharp.spec.sharpdraft.rule == "exact"
-    assert generate(model, prompts, max_new_tokens=32, drafter=sharp, num_draft=k).tokens == ar.tokens
 
 
 @pytest.mark.slow

@@ -58,7 +58,8 @@ def _prompts(batch, lengths, seed=0):
 def test_greedy_spec_equals_ar(target, drafters, name, batch, lengths):
   prompts = _prompts(batch, lengths)
   ar = generate(target, prompts, max_new_tokens=24, eos_id=-1)
-  for k in (1, 4):
+  # K = 1 (a single draft row) on the shortest prompt and the ragged batch; the 70-token prompt at K = 4 only
+  for k in (1, 4) if lengths != [70] else (4,):
     sp = generate(target, prompts, max_new_tokens=24, eos_id=-1, drafter=drafters[name], num_draft=k)
     assert sp.tokens == ar.tokens, f"{name} K={k}"
     assert all(len(t) == 24 for t in sp.tokens)
