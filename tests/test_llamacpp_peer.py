@@ -28,6 +28,11 @@ def test_peer_methods_parse_and_refuse_drafter_options():
   assert parse_method("llama.cpp-ar").num_draft is None
   with pytest.raises(ValueError, match="takes no drafter options"):
     parse_method("llama.cpp-lookup:drafter=x")
+  assert parse_method("llama.cpp-ar:kv_cache=q8_0").options == (("kv_cache", "q8_0"),)
+  with pytest.raises(ValueError, match="kv_cache must be one of f16, q8_0, got 'q4_0'"):
+    parse_method("llama.cpp-ar:kv_cache=q4_0")
+  with pytest.raises(ValueError, match="KV cache must be one of f16, q8_0"):
+    llamacpp.run_peers("x.gguf", [1, 2], 4, 2, kv_cache="int8")
 
 
 def test_check_peer_errors(monkeypatch):
@@ -55,6 +60,9 @@ def test_llamacpp_ar_and_lookup_on_smollm2():
   assert ar["tokens_per_s"] > 0 and ar["prefill_ms"] > 0
   assert lookup["tokens"] == ar["tokens"]
   assert lookup["tau"] > 1.5, lookup
+  q8 = llamacpp.run_peers(gguf, ids, new_tokens=12, num_draft=4, methods=["llama.cpp-ar"], repeats=1,
+                          kv_cache="q8_0")["llama.cpp-ar"]  # its 8-bit cache (flash attention)
+  assert len(q8["tokens"]) == 12 and q8["tau"] == 1.0 and q8["tokens_per_s"] > 0
 
 
 def test_suite_skips_the_peer_where_it_cannot_run(env, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from longspec_jax.inference.benchmark.llamacpp import PEER_METHODS
+from longspec_jax.inference.benchmark.llamacpp import PEER_KV_CACHES, PEER_METHODS
 
 PROTOCOL = (8, 4)  # the measurement protocol asks for >= 8 prompts from >= 4 documents per context
 
@@ -59,8 +59,10 @@ class MethodSpec:
 def method_options(name: str) -> tuple[str, ...]:
   """The load_drafter options a method takes, as its registry entry declares them."""
   from longspec_jax.drafters import drafter_entry
-  if name == "ar" or name in PEER_METHODS:
+  if name == "ar":
     return ()
+  if name in PEER_METHODS:
+    return ("kv_cache",)  # llama.cpp's KV cache type (PEER_KV_CACHES)
   entry = drafter_entry(name)
   return tuple(entry.options) + (("sharpdraft",) if entry.sharpdraft else ())
 
@@ -70,7 +72,8 @@ def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
   `drafter=DIR` its checkpoint, `draft_length=auto` (or a rule JSON) its drafts per step, `tree=0;1;0.0` (or
   `tree=FILE.json#N`) a draft tree (greedy tree verification; eagle3) instead of a chain; the other keys are the
   method's own options (e.g. `dflash:sharpdraft=fixed`, `budget:budget=256`). The llama.cpp peers
-  (`llama.cpp-ar`, `llama.cpp-lookup`, its n-gram length from num_draft) run beside ours on the same prompts."""
+  (`llama.cpp-ar`, `llama.cpp-lookup`, its n-gram length from num_draft; `kv_cache=q8_0` for llama.cpp's 8-bit
+  cache instead of f16) run beside ours on the same prompts."""
   from longspec_jax.drafters import method_names
   if not isinstance(text, str) or not text.strip():
     raise ValueError(f"a method must be a non-empty string like 'dflash' or 'dflash:sharpdraft=fixed', got {text!r}")
@@ -86,8 +89,9 @@ def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
       raise ValueError(f"method {text!r}: option {item!r} is not of the form key=value")
     if key in given:
       raise ValueError(f"method {text!r}: option {key!r} given twice")
-    if name == "ar" or (name in PEER_METHODS and key != "num_draft"):
-      raise ValueError(f"method {text!r}: {name} takes no drafter options")
+    if name == "ar" or (name in PEER_METHODS and key not in ("num_draft", *own)):
+      raise ValueError(f"method {text!r}: {name} takes no drafter options"
+                       + (f" (its options: num_draft, {', '.join(own)})" if own else ""))
     if key not in ("num_draft", "drafter", "draft_length", "tree", *own):
       raise ValueError(f"method {text!r}: unknown option {key!r}; options: "
                        f"{', '.join(('num_draft', 'drafter', 'draft_length', 'tree', *own))}")
@@ -99,6 +103,8 @@ def parse_method(text: str, default_num_draft: int | None = None) -> MethodSpec:
   draft_length = str(given.pop("draft_length", "fixed"))
   if draft_length not in ("fixed", "auto") and not Path(draft_length).is_file():
     raise ValueError(f"method {text!r}: draft_length must be fixed, auto or a rule JSON file, got {draft_length!r}")
+  if given.get("kv_cache", "f16") not in PEER_KV_CACHES:
+    raise ValueError(f"method {text!r}: kv_cache must be one of {', '.join(PEER_KV_CACHES)}, got {given['kv_cache']!r}")
   tree = given.pop("tree", None)
   if tree is not None:
     from longspec_jax.draft_tree import load_tree

@@ -36,6 +36,9 @@ AMX_HINT = ('if this CPU advertises AMX inside a VM, rebuild without it: CMAKE_A
             '--no-cache-dir llama-cpp-python')
 # llama.cpp's enum llama_rope_scaling_type
 ROPE_SCALING_TYPES = {"linear": 1, "yarn": 2}
+# llama.cpp's KV cache types (enum ggml_type): its default f16, and q8_0 (a scale per 32 values), which for V needs
+# flash attention
+PEER_KV_CACHES = {"f16": 1, "q8_0": 8}
 
 
 def available() -> bool:
@@ -68,14 +71,16 @@ def gguf_checkpoint(gguf: Path) -> dict:
 
 def run_peers(gguf: Path, ids: list[int], new_tokens: int, num_draft: int, methods: Sequence[str] = PEER_METHODS,
               temperature: float = 0.0, seed: int = 0, repeats: int = 3, threads: int = 2,
-              rope_scaling: str | None = None, timeout_s: float = 1800) -> dict:
+              rope_scaling: str | None = None, kv_cache: str = "f16", timeout_s: float = 1800) -> dict:
   """method -> {"tokens_per_s", "prefill_ms", "decode_ms", "decode_tokens", "target_forwards", "tau", "tokens"}
   (medians over `repeats` timed calls after a short warm-up; tokens of the last call) for each llama.cpp method on
   one prompt, measured in a child process. RuntimeError when the child fails or crashes."""
   from longspec_jax.targets import parse_rope_scaling
   request = {"gguf": str(gguf), "ids": list(map(int, ids)), "new_tokens": new_tokens, "num_draft": num_draft,
              "methods": list(methods), "temperature": temperature, "seed": seed, "repeats": repeats,
-             "threads": threads, "rope_scaling": parse_rope_scaling(rope_scaling)}
+             "threads": threads, "rope_scaling": parse_rope_scaling(rope_scaling), "kv_cache": kv_cache}
+  if kv_cache not in PEER_KV_CACHES:
+    raise ValueError(f"llama.cpp KV cache must be one of {', '.join(PEER_KV_CACHES)}, got {kv_cache!r}")
   unknown = sorted(set(methods) - set(PEER_METHODS))
   if unknown:
     raise ValueError(f"unknown llama.cpp peer methods {unknown}; known: {', '.join(PEER_METHODS)}")
@@ -104,6 +109,9 @@ def _model(req: dict, lookup: bool):
   if req["rope_scaling"]:
     kind, factor = req["rope_scaling"]
     kw = dict(rope_scaling_type=ROPE_SCALING_TYPES[kind], rope_freq_scale=1.0 / factor)
+  if req.get("kv_cache", "f16") != "f16":
+    kv_type = PEER_KV_CACHES[req["kv_cache"]]
+    kw.update(type_k=kv_type, type_v=kv_type, flash_attn=True)
   n_ctx = len(req["ids"]) + req["new_tokens"] + req["num_draft"] + 8
   # logits_all: the lookup mode reads the logits of every drafted row, and past one batch of prompt tokens
   # (n_batch) llama-cpp-python keeps them only with logits_all.

@@ -184,7 +184,8 @@ def run_suite(cfg: SuiteConfig, out: Path, command: str = "", progress: bool = T
                  "ar_decode_s": ar["decode_s"], "ar_target_forwards": ar["target_forwards"]}
           if m.spec.name in PEER_METHODS:  # llama.cpp on the same prompt tokens, in a child process
             r = llamacpp.run_peers(gguf, ids, cfg.new_tokens, m.num_draft, [m.spec.name], temp,
-                                   cfg.seed + p["index"], cfg.repeats, rope_scaling=cfg.rope_scaling or None)
+                                   cfg.seed + p["index"], cfg.repeats, rope_scaling=cfg.rope_scaling or None,
+                                   kv_cache=dict(m.spec.options).get("kv_cache", "f16"))
             r = r[m.spec.name]
             rec.update(new_tokens=r["decode_tokens"] + 1, decode_s=r["decode_ms"] / 1000,
                        target_forwards=r["target_forwards"], tau=r["tau"], accept_hist=[], draft_ms_per_step=0.0,
