@@ -3,6 +3,8 @@ optional `llamacpp` extra and the SmolLM2 package are installed, real runs of it
 our prompt tokens (skipped cleanly otherwise)."""
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +96,36 @@ def test_suite_runs_the_llamacpp_peers_on_smollm2(tmp_path):
   recs = [r for r in res["records"] if r["method"] == "llama.cpp-ar"]
   assert all(len(r["tokens"]) == 8 and 0 <= r["agreement_with_ar"]["common_prefix"] <= 8 for r in recs)
   assert recs[0]["drafter_checkpoint"]["llama_cpp_python"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_peer_process_dies_with_the_bench():
+  """The llama.cpp child dies with the process that started it (the CLI leaves by os._exit on Ctrl-C, and a SIGINT
+  sent to it alone would otherwise leave llama.cpp running for minutes)."""
+  import os
+  import signal
+  import subprocess
+  import time
+  child = ("import os, time; from longspec_jax.inference.benchmark.llamacpp import die_with_parent; "
+           "die_with_parent(os.getppid()); print('ready', flush=True); time.sleep(120)")
+  parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}], "
+            "stdout=sys.stdout); print(p.pid, flush=True); time.sleep(120)")
+  bench = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+  try:
+    lines = sorted(bench.stdout.readline().strip() for _ in range(2))  # the child's pid, and its "ready"
+    assert lines[1] == "ready", lines
+    pid = int(lines[0])
+    os.kill(bench.pid, signal.SIGKILL)
+    bench.wait()
+
+    def alive() -> bool:  # a zombie is dead (PID 1 in a container may not reap it)
+      try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+      except FileNotFoundError:
+        return False
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not alive(), "the peer process outlived the bench"
+  finally:
+    bench.kill()

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -76,7 +78,8 @@ def run_peers(gguf: Path, ids: list[int], new_tokens: int, num_draft: int, metho
   (medians over `repeats` timed calls after a short warm-up; tokens of the last call) for each llama.cpp method on
   one prompt, measured in a child process. RuntimeError when the child fails or crashes."""
   from longspec_jax.targets import parse_rope_scaling
-  request = {"gguf": str(gguf), "ids": list(map(int, ids)), "new_tokens": new_tokens, "num_draft": num_draft,
+  request = {"parent_pid": os.getpid(), "gguf": str(gguf), "ids": list(map(int, ids)), "new_tokens": new_tokens,
+             "num_draft": num_draft,
              "methods": list(methods), "temperature": temperature, "seed": seed, "repeats": repeats,
              "threads": threads, "rope_scaling": parse_rope_scaling(rope_scaling), "kv_cache": kv_cache}
   if kv_cache not in PEER_KV_CACHES:
@@ -159,5 +162,20 @@ def serve(req: dict) -> dict:
   return out
 
 
+def die_with_parent(parent_pid: int) -> None:
+  """Linux: this child is killed when the bench process ends. The CLI leaves at once on Ctrl-C (`os._exit`), and a
+  SIGINT sent to it alone (not to the terminal's process group) would otherwise leave llama.cpp running for
+  minutes."""
+  try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):  # not Linux: the terminal's Ctrl-C still reaches the whole process group
+    return
+  if os.getppid() != parent_pid:  # the parent was gone before the line above took effect
+    os._exit(1)
+
+
 if __name__ == "__main__":
-  print(json.dumps(serve(json.loads(sys.stdin.read()))))
+  request = json.loads(sys.stdin.read())
+  die_with_parent(request.get("parent_pid", os.getppid()))
+  print(json.dumps(serve(request)))
