@@ -78,12 +78,12 @@ def run_peers(gguf: Path, ids: list[int], new_tokens: int, num_draft: int, metho
   (medians over `repeats` timed calls after a short warm-up; tokens of the last call) for each llama.cpp method on
   one prompt, measured in a child process. RuntimeError when the child fails or crashes."""
   from longspec_jax.targets import parse_rope_scaling
-  request = {"parent_pid": os.getpid(), "gguf": str(gguf), "ids": list(map(int, ids)), "new_tokens": new_tokens,
-             "num_draft": num_draft,
-             "methods": list(methods), "temperature": temperature, "seed": seed, "repeats": repeats,
-             "threads": threads, "rope_scaling": parse_rope_scaling(rope_scaling), "kv_cache": kv_cache}
   if kv_cache not in PEER_KV_CACHES:
     raise ValueError(f"llama.cpp KV cache must be one of {', '.join(PEER_KV_CACHES)}, got {kv_cache!r}")
+  request = {"parent_pid": os.getpid(), "gguf": str(gguf), "ids": list(map(int, ids)), "new_tokens": new_tokens,
+             "num_draft": num_draft, "methods": list(methods), "temperature": temperature, "seed": seed,
+             "repeats": repeats, "threads": threads, "rope_scaling": parse_rope_scaling(rope_scaling),
+             "kv_cache": kv_cache}
   unknown = sorted(set(methods) - set(PEER_METHODS))
   if unknown:
     raise ValueError(f"unknown llama.cpp peer methods {unknown}; known: {', '.join(PEER_METHODS)}")
@@ -112,7 +112,7 @@ def _model(req: dict, lookup: bool):
   if req["rope_scaling"]:
     kind, factor = req["rope_scaling"]
     kw = dict(rope_scaling_type=ROPE_SCALING_TYPES[kind], rope_freq_scale=1.0 / factor)
-  if req.get("kv_cache", "f16") != "f16":
+  if req["kv_cache"] != "f16":
     kv_type = PEER_KV_CACHES[req["kv_cache"]]
     kw.update(type_k=kv_type, type_v=kv_type, flash_attn=True)
   n_ctx = len(req["ids"]) + req["new_tokens"] + req["num_draft"] + 8
@@ -177,5 +177,5 @@ def die_with_parent(parent_pid: int) -> None:
 
 if __name__ == "__main__":
   request = json.loads(sys.stdin.read())
-  die_with_parent(request.get("parent_pid", os.getppid()))
+  die_with_parent(request["parent_pid"])
   print(json.dumps(serve(request)))
