@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import flax.struct
@@ -188,6 +189,19 @@ class GenerationInputs:
   eos_id: jax.Array  # [] int32; -1 = never stop early
 
 
+def warn_if_not_bit_exact(model: Transformer) -> None:
+  """Warns when a quantized KV cache sits under float weights: a verify pass and one-row decode steps then differ
+  by float noise (~1e-7) before the cache rounds their K/V rows, so the odd entry on a rounding boundary lands a
+  step apart (SmolLM2, fp32 weights, int8 cache: logits ~1e-2 apart) and greedy output can part from AR at a
+  near-tie. Int8 weights with an int8 cache agree bit for bit (`attention.materialize`)."""
+  kv, int8_weights = model.kv_dtype, model.head_int8 is not None
+  if kv in ("int8", "bfloat16") and jnp.dtype(model.dtype) == jnp.float32 and not (int8_weights and kv == "int8"):
+    weights = "int8" if int8_weights else "float"
+    warnings.warn(f"a {kv} KV cache under {weights} weights: speculative output equals AR's only up to the cache's "
+                  "rounding of float noise (rarely, at a near-tie, a greedy token differs); --dtype int8-weights "
+                  "with --kv-dtype int8 is exact bit for bit", stacklevel=3)
+
+
 def prepare(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
             drafter: LoadedDrafter | DrafterSpec | None = None, num_draft: int | None = None,
@@ -216,6 +230,7 @@ def prepare(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens
     if drafter.spec.vocab_size != cfg.vocab_size:
       raise ValueError(f"drafter vocabulary ({drafter.spec.vocab_size}) does not match the target's "
                        f"({cfg.vocab_size}): drafter and target must share one tokenizer")
+    warn_if_not_bit_exact(model)
     rule = resolve_draft_length(draft_length, drafter.spec, num_draft)
     tree = resolve_tree(tree, drafter.spec, temperature, num_draft, rule)
     if tree is not None:

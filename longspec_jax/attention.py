@@ -6,11 +6,14 @@ XLA:CPU runs that layout several times faster than two batch dims, and it is the
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import jax
 import jax.numpy as jnp
 
 from longspec_jax.kv_cache import quantize_kv
 
+PyTree = TypeVar("PyTree")
 NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
 
 
@@ -36,23 +39,46 @@ def _kv_major(x):
 KV_PARTS = 3  # int8 parts per query / probability row over an int8 cache (see _int8_rows)
 
 
-def int8_parts(u: jax.Array, num_parts: int) -> list[jax.Array]:
-  """u (entries within +-127) as num_parts rounded parts p0, p1, ... with u ~ p0 + p1 / 254 + p2 / 254**2 + ...: each
-  part is the rounded residual of the ones before it, times 254, so every part fits in int8."""
+def materialize(x: PyTree) -> PyTree:
+  """x (an array or a pytree of them), computed on its own. XLA:CPU contracts a product and a sum into one FMA
+  whenever they share a fusion, and which ops share a fusion depends on the shapes, so a one-row decode step and a
+  many-row verify pass can round the same product differently (~1e-7). A rounding product that a sum or a rounding
+  to int8 reads goes through here; products by powers of two are exact and need not."""
+  return jax.lax.optimization_barrier(x)
+
+
+PART_BASE = 128.0  # each int8 part holds the rounded remainder of the ones before it times this (a power of two)
+
+
+def int8_parts(x: jax.Array, scale: jax.Array, num_parts: int) -> list[jax.Array]:
+  """u = x / scale (entries within +-127) as num_parts rounded parts p0, p1, ... with u ~ p0 + p1 / 128 +
+  p2 / 128**2 + ...: each part is the rounded remainder of the ones before it (|r| <= 1/2) times 128, so every
+  part fits in int8. After u every step is exact (u - round(u) is exact, and so is a product by 128), so a row's
+  parts are the same bits whatever rows share the pass; u is x times the reciprocal of scale computed on scale's
+  own (unbroadcast) shape, not `x / scale`: XLA turns a division by a broadcast into a multiplication by its
+  reciprocal in some fusions and not in others."""
+  u = materialize(x * (1.0 / scale))
   parts = []
   for _ in range(num_parts):
     p = jnp.round(u)
     parts.append(p)
-    u = (u - p) * 254.0
+    u = (u - p) * PART_BASE
   return parts
 
 
+def combine_parts(sums: list[jax.Array]) -> jax.Array:
+  """The inverse of `int8_parts` after an integer product or sum: int32 sums of p0, p1, ... -> fp32
+  p0 + (p1 + p2 / 128) / 128 (Horner; products by 1/128 are exact, so an FMA rounds as the sum alone would)."""
+  y = sums[-1].astype(jnp.float32)
+  for part in sums[-2::-1]:
+    y = part.astype(jnp.float32) + y * (1.0 / PART_BASE)
+  return y
+
+
 def _int8_rows(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """x [N, R, C] ~ scale [N, R, 1] * (p0 + p1 / 254 + p2 / 254**2) as int8 rows [N, 3R, C] (p0 rows, p1 rows, p2
-  rows), as `model.int8_matmul` splits activations: the split is continuous in x up to ~1e-7 of the row's largest
-  entry, so float noise between a one-row and a many-row pass stays float noise (with two parts, its ~3e-5 steps
-  moved logits by ~3e-4)."""
-  return jnp.concatenate(int8_parts(x / scale, KV_PARTS), axis=1).astype(jnp.int8)
+  """x [N, R, C] ~ scale [N, R, 1] * (p0 + p1 / 128 + p2 / 128**2) as int8 rows [N, 3R, C] (p0 rows, p1 rows, p2
+  rows), as `model.int8_matmul` splits activations: within ~3e-7 of the row's largest entry."""
+  return jnp.concatenate(int8_parts(x, scale, KV_PARTS), axis=1).astype(jnp.int8)
 
 
 def _row_scale(x: jax.Array) -> jax.Array:
@@ -63,11 +89,22 @@ def _row_scale(x: jax.Array) -> jax.Array:
 def _from_parts(acc: jax.Array, scale: jax.Array) -> jax.Array:
   """The inverse of `_int8_rows` after an integer product: int32 [N, 3R, C'] -> fp32 [N, R, C']."""
   r = acc.shape[1] // KV_PARTS
-  acc = acc.astype(jnp.float32)
-  y = acc[:, (KV_PARTS - 1) * r:]
-  for i in range(KV_PARTS - 2, -1, -1):  # Horner: p0 + (p1 + p2 / 254) / 254
-    y = acc[:, i * r:(i + 1) * r] + y * (1.0 / 254.0)
-  return y * scale
+  return combine_parts([acc[:, i * r:(i + 1) * r] for i in range(KV_PARTS)]) * scale
+
+
+def _probability_sum(p_cache: jax.Array, p_new: jax.Array) -> jax.Array:
+  """Sum over the keys of probabilities in [0, 1] (the cache's [N, R, S] and the new rows' [N, R, Tk]) in two
+  fixed-point parts of 13 bits each, summed in int32 (S * 2**13 < 2**31 up to `INT8_KV_MAX_LEN`): integer sums are
+  exact, so a row's softmax denominator is the same bits however a pass splits its keys between cache and new rows
+  and whatever rows share the pass (a float sum's order depends on both). Scaling by powers of two is exact, so no
+  product rounds. Within 2**-27 per key."""
+  def sums(p):
+    hi = jnp.round(p * 2.0 ** 13)
+    lo = jnp.round((p * 2.0 ** 13 - hi) * 2.0 ** 13)
+    return jnp.stack([jnp.sum(x.astype(jnp.int32), axis=-1) for x in (hi, lo)])
+
+  hi, lo = sums(p_cache) + sums(p_new)
+  return (hi.astype(jnp.float32) + lo.astype(jnp.float32) * 2.0 ** -13) * 2.0 ** -13
 
 
 def _int8_product(spec: str, parts: jax.Array, values: jax.Array) -> jax.Array:
@@ -207,7 +244,10 @@ def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
   # One exp per score: normalise the [rows, D] output rather than the [rows, S] probabilities.
   m = jnp.maximum(sc_cache.max(-1), sc_new.max(-1))[..., None]
   p_cache, p_new = jnp.exp(sc_cache - m), jnp.exp(sc_new - m)
-  denom = p_cache.sum(-1) + p_new.sum(-1)
+  if int8:
+    denom = _probability_sum(p_cache, p_new)
+  else:
+    denom = p_cache.sum(-1) + p_new.sum(-1)
   if int8:
     # p * v_scale in int8 parts on one scale per query row (the largest over cache and new rows), so the int32
     # sums over cache and new rows add exactly, however a pass splits them.
@@ -220,7 +260,7 @@ def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
     o = (jnp.einsum("nrs,nsd->nrd", p_cache.astype(v_cache.dtype), v_cache.reshape(n, s, d),
                     preferred_element_type=jnp.float32)
          + jnp.einsum("nrs,nsd->nrd", p_new.astype(v.dtype), _kv_major(v), preferred_element_type=jnp.float32))
-  o = o / denom[..., None]
+  o = o * (1.0 / denom)[..., None]
   lse = m[..., 0] + jnp.log(denom)
   out = _ungroup(o, b, t, hq).astype(q.dtype)
   if return_lse:

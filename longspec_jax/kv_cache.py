@@ -45,7 +45,7 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   scale = jnp.where(scale > 0, scale, 1.0)
   bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
   scale = jax.lax.bitcast_convert_type((bits + 0x7F) & jnp.uint32(0xFFFFFF80), jnp.float32)
-  return jnp.round(x / scale[..., None]).astype(jnp.int8), scale
+  return jnp.round(x * (1.0 / scale)[..., None]).astype(jnp.int8), scale
 
 
 def dequantize_kv(values: jax.Array, scale: jax.Array, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from longspec_jax.attention import causal_attention, extend_attention, int8_parts
+from longspec_jax.attention import causal_attention, combine_parts, extend_attention, int8_parts, materialize
 from longspec_jax.config import ModelConfig
 from longspec_jax.kv_cache import KVCache, check_kv_dtype, kv_round_trip
 from longspec_jax.rope import apply_rope, rope_frequencies
@@ -61,25 +61,24 @@ def int8_matmul(x: jax.Array, w_int8: jax.Array, w_scale: jax.Array, spec: str,
   """`einsum(spec, x, w)` for int8 weights w = w_int8 * w_scale (one fp32 scale per output channel).
 
   The products are integer products (int8 x int8, int32 sums: exact, whatever rows share them), which XLA:CPU runs
-  several times faster than fp32 on CPUs with int8 matrix units. Each row of x is split into INT8_PARTS int8 parts,
-  x ~ s * (p0 + p1 / 254 + p2 / 254**2) with s = max|x| / 127 (p0 = round(x / s), each next part the rounded
-  remainder times 254), and the parts are multiplied as rows of one product. The split is continuous in x up to
-  the last part's rounding, and with three parts that step is ~1e-7 of the row's largest entry, so a one-row
-  decode step and a many-row verify pass give the same logits to ~4e-5 as in fp32. With two parts they differed
-  by ~7e-3 (SmolLM2 at 4K), and one prompt of 8 parted from AR within 64 greedy tokens. Fewer than 4 part rows
-  are padded to 4: XLA:CPU's int8 products of 1-2 rows are slower than of 4."""
+  several times faster than fp32 on CPUs with int8 matrix units. Each row of x is split into INT8_PARTS int8 parts
+  (`attention.int8_parts`), x ~ s * (p0 + p1 / 128 + p2 / 128**2) with s = max|x| / 127, and the parts are
+  multiplied as rows of one product. The split is continuous in x up to the last part's rounding, ~3e-7 of the
+  row's largest entry (with two parts, ~3e-5: a one-row and a many-row pass over SmolLM2 at 4K then differed by
+  ~7e-3 in the logits). Every float op around the product is per row and no rounding product shares a fusion with
+  a sum (`attention.materialize`), so a row's output is the same bits whatever rows share the pass: over an int8
+  cache, whose quantization would turn any difference into a step, a one-row decode step and a many-row verify
+  pass agree bit for bit. Fewer than 4 part rows are padded to 4: XLA:CPU's int8 products of 1-2 rows are slower
+  than of 4."""
   rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
   n = rows.shape[0]
   s = jnp.max(jnp.abs(rows), axis=-1, keepdims=True) / 127.0
   s = jnp.where(s > 0, s, 1.0)
-  parts = int8_parts(rows / s, INT8_PARTS)
+  parts = int8_parts(rows, s, INT8_PARTS)
   pad = max(0, 4 - INT8_PARTS * n)
   stacked = jnp.concatenate(parts + ([jnp.zeros((pad, rows.shape[1]), rows.dtype)] if pad else []))
-  acc = jnp.einsum(spec, stacked.astype(jnp.int8), w_int8, preferred_element_type=jnp.int32).astype(jnp.float32)
-  y = acc[(INT8_PARTS - 1) * n:INT8_PARTS * n]
-  for i in range(INT8_PARTS - 2, -1, -1):  # Horner: p0 + (p1 + p2 / 254) / 254
-    y = acc[i * n:(i + 1) * n] + y * (1.0 / 254.0)
-  y = y * s * w_scale
+  acc = jnp.einsum(spec, stacked.astype(jnp.int8), w_int8, preferred_element_type=jnp.int32)
+  y = materialize(combine_parts([acc[i * n:(i + 1) * n] for i in range(INT8_PARTS)]) * s * w_scale)
   return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype or x.dtype)
 
 
@@ -113,16 +112,39 @@ class Linear(nnx.Module):
     return y + self.bias[...].astype(x.dtype) if self.bias is not None else y
 
 
+def fixed_order_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis in one fixed order (a pairwise tree of elementwise adds), whatever the leading shape:
+  XLA picks a reduction's summation order per shape, so `jnp.sum` over one row alone and among eight can round
+  differently (~3e-8 in an RMSNorm)."""
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    paired = x[..., :half] + x[..., half:2 * half]
+    x = jnp.concatenate([paired, x[..., 2 * half:]], axis=-1) if x.shape[-1] % 2 else paired
+  return x[..., 0]
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, row_exact: bool = False) -> jax.Array:
+  """scale * x / rms(x) over the last axis, in fp32, in x's dtype. row_exact: a row's result is the same bits
+  whatever rows share the pass (the mean square in `fixed_order_sum`'s order, no product next to a sum: see
+  `attention.materialize`); it costs compile time (the int8 target sets it, `Transformer.quantize_int8`)."""
+  x32 = x.astype(jnp.float32)
+  if row_exact:
+    n = x32.shape[-1]
+    mean_square_eps = (fixed_order_sum(materialize(x32 * x32)) + n * eps)[..., None] * (1.0 / n)
+  else:
+    mean_square_eps = jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps
+  return (scale.astype(jnp.float32) * (x32 * jax.lax.rsqrt(mean_square_eps))).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim, eps, *, rngs, axis="norm"):
     del rngs
     self.scale = nnx.Param(jnp.ones((dim,)), logical_axes=(axis,))
     self.eps = eps
+    self.row_exact = False  # see rms_norm
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (self.scale[...] * y).astype(x.dtype)
+    return rms_norm(x, self.scale[...], self.eps, self.row_exact)
 
 
 class Attention(nnx.Module):
@@ -236,11 +258,16 @@ class Transformer(nnx.Module):
   def quantize_int8(self) -> "Transformer":
     """The decoder layers' projections in int8 (see `int8_matmul`) and the logits from an int8 copy of the LM head
     (a scale per vocabulary row), in place; the embedding and LM head weights stay as they are (drafters read
-    them). Returns self."""
+    them). Its RMSNorms become row-exact (`rms_norm`), so every row computes alike in any pass. Returns self."""
     for layer in self.layers:
       for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
         lin.quantize_int8()
+      for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+                   layer.self_attn.k_norm):
+        if norm is not None:
+          norm.row_exact = True  # with the integer products, a row computes alike in any pass (int8 KV cache)
+    self.norm.row_exact = True
     head = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...].T
     values, scale = quantize_per_channel(head, axis=0)
     self.head_int8 = nnx.Param(values, logical_axes=("vocab", "embed"))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longspec_jax.attention import materialize
 from longspec_jax.config import ModelConfig, RopeConfig
 
 
@@ -76,7 +77,9 @@ def rope_frequencies(cfg: ModelConfig, max_position: int | jax.Array | None = No
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scaling: float = 1.0) -> jax.Array:
   """x [B, T, H, D], positions [B, T] -> rotated x (HF rotate-half convention), computed in fp32."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+  # The angles on their own: fused into cos / sin, their product was contracted into an FMA in some programs and not
+  # others, so a one-row and a many-row pass rotated alike rows differently (see `attention.materialize`).
+  angles = materialize(positions[..., None].astype(jnp.float32) * inv_freq)  # [B, T, D/2]
   cos = (jnp.cos(angles) * scaling)[:, :, None, :]
   sin = (jnp.sin(angles) * scaling)[:, :, None, :]
   x32 = x.astype(jnp.float32)

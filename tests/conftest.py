@@ -9,8 +9,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiling dominates this suite on 2 cores, and the tests' programs are tiny: skip LLVM's expensive optimisation
 # passes (about a quarter off the wall time). Subprocesses inherit it; tests that set XLA_FLAGS for a subprocess
 # append to it.
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
-                                                 "--xla_llvm_disable_expensive_passes=true"]))
+SPEED_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *SPEED_XLA_FLAGS]))
 # One persistent compilation cache per test run, shared by the xdist workers and every subprocess (the CLI reads
 # it from $LONGSPEC_COMPILE_CACHE): many tests compile the same programs, and each module drops its in-memory
 # caches (below). Never the user's cache; removed when the run ends. tests/test_cli.py checks the cache itself with
@@ -87,11 +87,8 @@ def _release_compiled_programs():
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-  from longspec_jax.config import ModelConfig, RopeConfig
-  return ModelConfig(family="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                     rope=RopeConfig(theta=10000.0), tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
-                     pad_token_id=1, mask_token_id=2)
+  from tests.tiny_target import tiny_model_config
+  return tiny_model_config()
 
 
 @pytest.fixture(scope="session")

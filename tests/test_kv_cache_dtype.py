@@ -3,6 +3,13 @@ error bound and idempotence, the cache's bytes, a verify pass reading its own ne
 reads them from the cache, greedy speculative output equal to AR over the same cache dtype (prompt lookup and
 LongSpark, which reads the target's rows), and the one error for a bad dtype."""
 
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +24,10 @@ from longspec_jax.inference.cli import main
 from longspec_jax.inference.generate import generate
 from longspec_jax.kv_cache import dequantize_kv, kv_round_trip, quantize_kv
 from longspec_jax.model import create_model
+from tests.conftest import SPEED_XLA_FLAGS
 
 KV = ("int8", "bfloat16")
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +85,9 @@ def test_cache_dtype_and_bytes(base):
 
 def _passes(model, tokens, p, k1):
   """(logits of one pass over tokens[p:p+k1] after a prefill of tokens[:p], the same rows' logits from k1
-  one-row steps)."""
+  one-row steps); tokens [n, L] runs each row as its own batch of one (one compiled program)."""
   graphdef, state = nnx.split(model)
 
-  @jax.jit
   def run(state, tokens):
     m = nnx.merge(graphdef, state)
     cache = m(tokens[:, :p], cache=m.init_cache(1, 64), mode="prefill").cache.replace(lengths=jnp.array([p]))
@@ -91,12 +99,15 @@ def _passes(model, tokens, p, k1):
       steps.append(out.logits[0, 0])
     return block, jnp.stack(steps)
 
-  return run(state, tokens)
+  compiled = jax.jit(run).lower(state, tokens[:1]).compile()
+  outs = [compiled(state, tokens[i:i + 1]) for i in range(tokens.shape[0])]
+  return tuple(jnp.stack(x) if tokens.shape[0] > 1 else x[0] for x in zip(*outs))
 
 
-# bf16 rounds each entry on its own relative grid, so the ~1e-7 float noise between a one-row and a many-row
-# projection flips the rounding of some near-zero entries (int8's grid is 1/127 of the row's largest entry: flips
-# are ~1e5 times rarer); its logits then agree to ~3e-3 here, not to float noise.
+# Over float weights a one-row and a many-row projection differ by ~1e-7 float noise, and a quantized cache
+# turns that into a step wherever an entry sits on a rounding boundary: bf16 rounds each entry on its own relative
+# grid, so some near-zero entry flips in most passes (logits ~3e-3 apart here); int8's grid is 1/127 of the row's
+# largest entry, so flips are rarer (none in this tiny test; SmolLM2-135M at 1K: ~1e-2 in the logits).
 TOLERANCE = {"float32": 2e-5, "int8": 2e-5, "bfloat16": 5e-3}
 
 
@@ -111,6 +122,30 @@ def test_verify_pass_reads_its_rows_as_decode_steps_read_the_cache(base, kv_dtyp
   if kv_dtype != "float32":
     fp_block, _ = _passes(_target(base, "float32"), tokens, 50, 6)
     assert float(jnp.max(jnp.abs(fp_block - block))) > 2 * TOLERANCE[kv_dtype]  # the dtype changes what it reads
+
+
+def int8_verify_vs_decode_differences() -> list[float]:
+  """Max |logit difference| between a K+1-row verify pass and K+1 one-row decode steps, int8 weights over an int8
+  cache, on the tiny target (its weights scaled as `base` scales them) for 2 prompts x 2 (prefix, K+1)."""
+  from tests.tiny_target import tiny_model_config
+  graphdef, state = nnx.split(create_model(tiny_model_config(), seed=3))
+  model = _target((graphdef, jax.tree.map(lambda x: x * 3.0, state)), "int8").quantize_int8()
+  tokens = jnp.asarray([_prompts(model.cfg.vocab_size, seed=seed)[1][:60] for seed in (0, 1)], jnp.int32)
+  return [float(jnp.max(jnp.abs(block - steps))) for p, k1 in ((50, 6), (37, 8))
+          for block, steps in zip(*_passes(model, tokens, p, k1))]
+
+
+def test_int8_weights_and_int8_cache_verify_equals_decode_bit_for_bit():
+  """With int8 weights over an int8 cache every product is an integer product, every sum has a fixed order and no
+  rounding product shares an XLA fusion with a sum (`attention.materialize`), so a K+1-row verify pass and K+1
+  one-row decode steps give the same logits bit for bit. Without that, SmolLM2-135M's logits differed by ~1e-2 and
+  a 16K greedy run parted from AR. Run in a subprocess compiled as users compile: this suite lowers XLA's backend
+  optimisation for speed (conftest), and at that level the tiny target still differs in one row of four passes."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in SPEED_XLA_FLAGS]
+  env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
+  code = "import json, tests.test_kv_cache_dtype as t; print(json.dumps(t.int8_verify_vs_decode_differences()))"
+  out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+  assert json.loads(out.stdout.splitlines()[-1]) == [0.0] * 4
 
 
 @pytest.mark.parametrize("kv_dtype", KV)
@@ -138,3 +173,19 @@ def test_bad_kv_dtype_is_one_clear_error(tiny_cfg, capsys):
   with pytest.raises(ValueError, match="bench-suite config: kv_dtype must be one of float32, bfloat16, int8"):
     validate(SuiteConfig(kv_dtype="int4"))
   assert validate(SuiteConfig(kv_dtype="int8"))  # and a good one passes
+
+
+def test_speculative_over_a_quantized_cache_warns_unless_bit_exact(base, tiny_cfg):
+  from longspec_jax.inference.engine import prepare
+  drafter = LoadedDrafter(PromptLookupDrafter(tiny_cfg.vocab_size))
+  prompts = _prompts(tiny_cfg.vocab_size)
+  for kv in KV:
+    with pytest.warns(UserWarning, match=f"a {kv} KV cache under float weights"):
+      prepare(_target(base, kv), prompts, drafter=drafter, num_draft=4)
+  with pytest.warns(UserWarning, match="a bfloat16 KV cache under int8 weights"):
+    prepare(_target(base, "bfloat16").quantize_int8(), prompts, drafter=drafter, num_draft=4)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    prepare(_target(base, "int8").quantize_int8(), prompts, drafter=drafter, num_draft=4)
+    prepare(_target(base, "float32"), prompts, drafter=drafter, num_draft=4)
+    prepare(_target(base, "int8"), prompts)  # AR alone: nothing to part from

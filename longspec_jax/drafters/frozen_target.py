@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longspec_jax.model import matmul
+from longspec_jax.model import matmul, rms_norm
 from longspec_jax.sampling import NEG_INF
 
 if TYPE_CHECKING:
@@ -143,6 +143,4 @@ def head_logits(io: dict, h: jax.Array) -> jax.Array:
 
 def apply_final_norm(io: dict, h: jax.Array) -> jax.Array:
   """The target's final RMSNorm from `target_io(target, final_norm=True)`."""
-  x32 = h.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + io["norm_eps"])
-  return (io["norm"].astype(jnp.float32) * y).astype(h.dtype)
+  return rms_norm(h, io["norm"], io["norm_eps"])
