@@ -24,7 +24,6 @@ from longspec_jax.inference.cli import main
 from longspec_jax.inference.generate import generate
 from longspec_jax.kv_cache import dequantize_kv, kv_round_trip, quantize_kv
 from longspec_jax.model import create_model
-from tests.conftest import SPEED_XLA_FLAGS
 
 KV = ("int8", "bfloat16")
 REPO = Path(__file__).resolve().parents[1]
@@ -141,6 +140,7 @@ def test_int8_weights_and_int8_cache_verify_equals_decode_bit_for_bit():
   one-row decode steps give the same logits bit for bit. Without that, SmolLM2-135M's logits differed by ~1e-2 and
   a 16K greedy run parted from AR. Run in a subprocess compiled as users compile: this suite lowers XLA's backend
   optimisation for speed (conftest), and at that level the tiny target still differs in one row of four passes."""
+  from tests.conftest import SPEED_XLA_FLAGS  # here, not at the top: the subprocess must not import conftest
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in SPEED_XLA_FLAGS]
   env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
   code = "import json, tests.test_kv_cache_dtype as t; print(json.dumps(t.int8_verify_vs_decode_differences()))"
