@@ -246,9 +246,6 @@ def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
   p_cache, p_new = jnp.exp(sc_cache - m), jnp.exp(sc_new - m)
   if int8:
     denom = _probability_sum(p_cache, p_new)
-  else:
-    denom = p_cache.sum(-1) + p_new.sum(-1)
-  if int8:
     # p * v_scale in int8 parts on one scale per query row (the largest over cache and new rows), so the int32
     # sums over cache and new rows add exactly, however a pass splits them.
     w_cache, w_new = p_cache * v_scale.reshape(n, 1, s), p_new * vs_new[:, None, :]
@@ -260,6 +257,7 @@ def extend_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
     o = (jnp.einsum("nrs,nsd->nrd", p_cache.astype(v_cache.dtype), v_cache.reshape(n, s, d),
                     preferred_element_type=jnp.float32)
          + jnp.einsum("nrs,nsd->nrd", p_new.astype(v.dtype), _kv_major(v), preferred_element_type=jnp.float32))
+    denom = p_cache.sum(-1) + p_new.sum(-1)
   o = o * (1.0 / denom)[..., None]
   lse = m[..., 0] + jnp.log(denom)
   out = _ungroup(o, b, t, hq).astype(q.dtype)
